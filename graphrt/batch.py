@@ -1,0 +1,212 @@
+"""ForwardMode and ForwardBatch (seed 003): every tensor one forward pass needs.
+
+``ForwardBatch.validate()`` is the single gate for bad input: it checks dtypes,
+shapes, devices and counts from metadata only, and checks tensor *values* only
+where they can be read without a device synchronization (host tensors, CPU
+mirrors) or in debug mode.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+DEBUG_ENV = "GRAPHRT_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """True when ``GRAPHRT_DEBUG=1`` asks for value checks that may synchronize."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+class ForwardMode(enum.IntEnum):
+    """What kind of forward pass is being performed."""
+
+    EXTEND = enum.auto()
+    DECODE = enum.auto()
+    MIXED = enum.auto()
+    IDLE = enum.auto()
+
+    def is_extend(self) -> bool:
+        """True for EXTEND or MIXED (any prefill-style pass)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_prefill(self) -> bool:
+        """Alias for ``is_extend()``."""
+        return self.is_extend()
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """How one ForwardBatch tensor field is laid out: rows per token or per request."""
+
+    name: str
+    per_token: bool
+    dtypes: tuple
+    non_negative: bool = True
+
+
+# Tensor fields the runtime stages into static buffers, in staging order.
+TOKEN_FIELDS = (
+    FieldSpec("input_ids", per_token=True, dtypes=INDEX_DTYPES),
+    FieldSpec("positions", per_token=True, dtypes=INDEX_DTYPES),
+    FieldSpec("out_cache_loc", per_token=True, dtypes=INDEX_DTYPES),
+)
+REQUEST_FIELDS = (
+    FieldSpec("req_pool_indices", per_token=False, dtypes=INDEX_DTYPES),
+    FieldSpec("seq_lens", per_token=False, dtypes=INDEX_DTYPES),
+)
+EXTEND_FIELDS = (
+    FieldSpec("extend_seq_lens", per_token=False, dtypes=INDEX_DTYPES),
+    FieldSpec("extend_prefix_lens", per_token=False, dtypes=INDEX_DTYPES),
+    FieldSpec("extend_start_loc", per_token=False, dtypes=INDEX_DTYPES),
+)
+REQUIRED_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc")
+# Optional multimodal tensors: graphs are captured without them.
+MULTIMODAL_FIELDS = ("mrope_position_deltas", "pixel_values", "image_grid_thw")
+
+
+@dataclass
+class ForwardBatch:
+    """All tensors required by a single forward pass through the model (seed 003)."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_sum: int
+    seq_lens_cpu: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    extend_num_tokens: Optional[int] = None
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_prefix_lens: Optional[torch.Tensor] = None
+    extend_start_loc: Optional[torch.Tensor] = None
+    extend_prefix_lens_cpu: Optional[List[int]] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    return_logprob: bool = False
+    top_logprobs_nums: Optional[List[int]] = None
+    req_to_token_pool: Optional[Any] = None
+    token_to_kv_pool: Optional[Any] = None
+    attn_backend: Optional[Any] = None
+    mrope_position_deltas: Optional[torch.Tensor] = None
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of every per-token tensor (``input_ids``, ``positions``, ``out_cache_loc``)."""
+        return self.input_ids.shape[0] if isinstance(self.input_ids, torch.Tensor) else 0
+
+    def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None) -> None:
+        """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU.
+
+        ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
+        ``debug``: also check values of device tensors (synchronizes); default from GRAPHRT_DEBUG.
+        """
+        if not isinstance(self.forward_mode, ForwardMode):
+            raise TypeError(f"forward_mode: expected a ForwardMode, got {type(self.forward_mode).__name__}")
+        if type(self.batch_size) is not int or self.batch_size < 0:
+            raise TypeError(f"batch_size: expected a non-negative int, got {self.batch_size!r}")
+        if type(self.seq_lens_sum) is not int:
+            raise TypeError(f"seq_lens_sum: expected a Python int, got {type(self.seq_lens_sum).__name__}")
+        for name in REQUIRED_FIELDS:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: required field is missing (None)")
+        if device is None:
+            device = self.input_ids.device if isinstance(self.input_ids, torch.Tensor) else None
+        num_tokens = self.num_tokens
+        if self.forward_mode.is_decode_or_idle() and num_tokens != self.batch_size:
+            raise ValueError(
+                f"input_ids: expected shape [batch_size={self.batch_size}] for {self.forward_mode.name}, "
+                f"got {list(self.input_ids.shape)}"
+            )
+        fields = TOKEN_FIELDS + REQUEST_FIELDS + (EXTEND_FIELDS if self.forward_mode.is_extend() else ())
+        check_values = debug if debug is not None else debug_enabled()
+        readable = []
+        for spec in fields:
+            tensor = getattr(self, spec.name)
+            if tensor is None:
+                if spec.name == "positions":
+                    continue
+                raise ValueError(f"{spec.name}: required for {self.forward_mode.name} batches, got None")
+            check_tensor(spec, tensor, num_tokens if spec.per_token else self.batch_size, device)
+            if check_values or tensor.is_cpu:
+                readable.append((spec.name, tensor))
+        check_non_negative(readable)
+        if self.forward_mode.is_extend():
+            self._validate_extend(num_tokens)
+        self._validate_seq_lens_sum(check_values)
+
+    def _validate_extend(self, num_tokens: int) -> None:
+        if self.extend_num_tokens != num_tokens:
+            raise ValueError(
+                f"extend_num_tokens: expected len(input_ids)={num_tokens}, got {self.extend_num_tokens!r}"
+            )
+        for name in ("extend_seq_lens_cpu", "extend_prefix_lens_cpu"):
+            mirror = getattr(self, name)
+            if mirror is not None and len(mirror) != self.batch_size:
+                raise ValueError(f"{name}: expected {self.batch_size} entries, got {len(mirror)}")
+        if self.extend_seq_lens_cpu is not None and sum(self.extend_seq_lens_cpu) != num_tokens:
+            raise ValueError(
+                f"extend_seq_lens_cpu: expected entries summing to {num_tokens} tokens, "
+                f"got {sum(self.extend_seq_lens_cpu)}"
+            )
+
+    def _validate_seq_lens_sum(self, check_values: bool) -> None:
+        if self.seq_lens_cpu is not None:
+            if not isinstance(self.seq_lens_cpu, torch.Tensor) or self.seq_lens_cpu.device.type != "cpu":
+                raise TypeError("seq_lens_cpu: expected a CPU tensor mirror of seq_lens")
+            if self.seq_lens_cpu.shape != (self.batch_size,):
+                raise ValueError(
+                    f"seq_lens_cpu: expected shape [{self.batch_size}], got {list(self.seq_lens_cpu.shape)}"
+                )
+            host = self.seq_lens_cpu
+        elif check_values or self.seq_lens.device.type == "cpu":
+            host = self.seq_lens
+        else:
+            return
+        total = int(host.sum())
+        if total != self.seq_lens_sum:
+            raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
+
+
+def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch.device]) -> None:
+    """Metadata-only check of one staged field: type, dtype, 1-D length, device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{spec.name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in spec.dtypes:
+        expected = " or ".join(str(d) for d in spec.dtypes)
+        raise TypeError(f"{spec.name}: expected dtype {expected}, got {tensor.dtype}")
+    if tensor.dim() != 1 or tensor.shape[0] != rows:
+        raise ValueError(f"{spec.name}: expected shape [{rows}], got {list(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{spec.name}: expected a tensor on {device}, got one on {tensor.device}")
+
+
+def check_non_negative(named_tensors: List[tuple]) -> None:
+    """Value check (reads the tensors, one reduction for all): every entry must be >= 0."""
+    tensors = [tensor for _, tensor in named_tensors if tensor.numel()]
+    if not tensors or int(torch.cat(tensors).min()) >= 0:
+        return
+    for name, tensor in named_tensors:
+        if tensor.numel() and int(tensor.min()) < 0:
+            raise ValueError(f"{name}: expected non-negative entries, got min {int(tensor.min())}")

@@ -1,0 +1,320 @@
+"""Static input buffers for graph capture/replay (seed 001, core part).
+
+Every graph key reads views of the same static tensors, allocated once for the
+largest key. Staging copies the live rows with one ``torch._foreach_copy_`` for
+all slots and re-pads only rows that a larger earlier step dirtied: each slot
+remembers its high-water mark, and every row at or above it already holds the
+pad value, so steady decode at one batch size stages with a single call.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class BufferState(enum.Enum):
+    """Lifecycle of a pooled buffer."""
+
+    FREE = enum.auto()
+    IN_USE = enum.auto()
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Shape, dtype and device of a buffer; equal specs are interchangeable in a pool."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype = torch.int64
+    device: torch.device = torch.device("cpu")
+    pin_memory: bool = False
+
+    def size_bytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype, str(self.device), self.pin_memory))
+
+
+@dataclass
+class BufferEntry:
+    """A pooled tensor with its state and last use, for LRU eviction."""
+
+    spec: BufferSpec
+    tensor: torch.Tensor
+    state: BufferState = BufferState.FREE
+    last_used: float = field(default_factory=time.monotonic)
+    use_count: int = 0
+
+    def mark_in_use(self) -> None:
+        self.state = BufferState.IN_USE
+        self.last_used = time.monotonic()
+        self.use_count += 1
+
+    def release(self) -> None:
+        self.state = BufferState.FREE
+        self.last_used = time.monotonic()
+
+
+class BufferPool(ABC):
+    """Hands out tensors by spec and takes them back for reuse."""
+
+    @abstractmethod
+    def allocate(self, spec: BufferSpec) -> torch.Tensor:
+        """A tensor matching ``spec`` (reused when a released one exists)."""
+
+    @abstractmethod
+    def release(self, tensor: torch.Tensor) -> None:
+        """Return ``tensor`` to the pool."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every buffer the pool holds."""
+
+
+class SimpleBufferPool(BufferPool):
+    """One-tier pool: reuses released buffers of the same spec, evicts the least recently used."""
+
+    def __init__(self, max_buffers: int = 64) -> None:
+        if max_buffers < 1:
+            raise ValueError(f"max_buffers: expected a positive int, got {max_buffers!r}")
+        self.max_buffers = max_buffers
+        self._entries: "OrderedDict[int, BufferEntry]" = OrderedDict()
+
+    def allocate(self, spec: BufferSpec) -> torch.Tensor:
+        for entry in self._entries.values():
+            if entry.state is BufferState.FREE and entry.spec == spec:
+                entry.mark_in_use()
+                self._entries.move_to_end(id(entry.tensor))
+                return entry.tensor
+        if len(self._entries) >= self.max_buffers:
+            self._evict_oldest()
+        entry = BufferEntry(spec, self._create_tensor(spec))
+        entry.mark_in_use()
+        self._entries[id(entry.tensor)] = entry
+        return entry.tensor
+
+    def _create_tensor(self, spec: BufferSpec) -> torch.Tensor:
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
+
+    def _evict_oldest(self) -> None:
+        for key, entry in self._entries.items():
+            if entry.state is BufferState.FREE:
+                del self._entries[key]
+                logger.debug("evicted buffer %s", entry.spec)
+                return
+        raise MemoryError(f"buffer pool full: all {self.max_buffers} buffers are in use")
+
+    def release(self, tensor: torch.Tensor) -> None:
+        entry = self._entries.get(id(tensor))
+        if entry is None:
+            raise ValueError("tensor: not allocated by this pool")
+        entry.release()
+        self._entries.move_to_end(id(tensor))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class RowAxis(enum.Enum):
+    """Which count sizes a slot's first dimension: tokens, requests, or neither (whole tensor)."""
+
+    TOKENS = "tokens"
+    REQUESTS = "requests"
+    FIXED = "fixed"
+
+
+@dataclass
+class InputSlot:
+    """One static tensor with its pad value; staging writes rows into it, never replaces it."""
+
+    name: str
+    spec: BufferSpec
+    tensor: torch.Tensor
+    axis: RowAxis = RowAxis.TOKENS
+    pad_value: float = 0
+    is_static: bool = True
+    high_water: int = 0
+    _views: List[Optional[torch.Tensor]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        rows = self.tensor.shape[0] if self.axis is not RowAxis.FIXED else -1
+        self._views = [None] * (rows + 1)
+        self.tensor.fill_(self.pad_value)
+
+    @property
+    def rows(self) -> int:
+        return self.tensor.shape[0]
+
+    def view(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows (a view of the static tensor, created once per row count)."""
+        if self.axis is RowAxis.FIXED:
+            return self.tensor
+        view = self._views[rows]
+        if view is None:
+            view = self._views[rows] = self.tensor[:rows]
+        return view
+
+    def check(self, data: torch.Tensor) -> None:
+        """Raise TypeError/ValueError naming this slot if ``data`` cannot be staged into it."""
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(data).__name__}")
+        if data.dtype != self.tensor.dtype and (data.dtype.is_floating_point or self.tensor.dtype.is_floating_point):
+            raise TypeError(f"{self.name}: expected dtype {self.tensor.dtype}, got {data.dtype}")
+        if self.axis is RowAxis.FIXED:
+            if data.shape != self.tensor.shape:
+                raise ValueError(f"{self.name}: expected shape {list(self.tensor.shape)}, got {list(data.shape)}")
+            return
+        if data.dim() != self.tensor.dim() or data.shape[1:] != self.tensor.shape[1:]:
+            expected = ["n"] + list(self.tensor.shape[1:])
+            raise ValueError(f"{self.name}: expected shape {expected}, got {list(data.shape)}")
+        if data.shape[0] > self.rows:
+            raise ValueError(f"{self.name}: expected at most {self.rows} rows, got {data.shape[0]}")
+
+    def set_data(self, data: torch.Tensor) -> None:
+        """Copy ``data`` into the leading rows and pad the rest; bad data leaves the slot untouched."""
+        self.check(data)
+        if self.axis is RowAxis.FIXED:
+            self.tensor.copy_(data)
+            return
+        self.view(data.shape[0]).copy_(data)
+        self.pad(data.shape[0])
+
+    def pad(self, live_rows: int) -> None:
+        """Restore the pad value on rows a larger earlier step left dirty, keeping rows >= live_rows padded."""
+        if self.high_water > live_rows:
+            self.tensor[live_rows : self.high_water].fill_(self.pad_value)
+        self.high_water = live_rows
+
+
+class InputBufferManager:
+    """Owns the static input slots of one runner: registration, staging, views (seed 001).
+
+    ``max_batch_size`` sizes per-request slots; ``max_seq_len`` sizes per-token slots
+    (the most tokens one step stages; equal to ``max_batch_size`` for decode-only graphs).
+    """
+
+    def __init__(
+        self,
+        pool: Optional[BufferPool] = None,
+        max_batch_size: int = 64,
+        max_seq_len: Optional[int] = None,
+        device: Optional[torch.device] = None,
+        register_defaults: bool = True,
+    ) -> None:
+        self.pool = pool if pool is not None else SimpleBufferPool()
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len if max_seq_len is not None else max_batch_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.slots: Dict[str, InputSlot] = {}
+        if register_defaults:
+            self._init_default_slots()
+
+    def _init_default_slots(self) -> None:
+        """The decode fields of a ForwardBatch: ids/positions/cache slots per token, the rest per request."""
+        for name, dtype, axis, pad in (
+            ("input_ids", torch.int64, RowAxis.TOKENS, 0),
+            ("positions", torch.int64, RowAxis.TOKENS, 0),
+            ("out_cache_loc", torch.int64, RowAxis.TOKENS, 0),
+            ("req_pool_indices", torch.int64, RowAxis.REQUESTS, 0),
+            ("seq_lens", torch.int32, RowAxis.REQUESTS, 1),
+        ):
+            rows = self.max_seq_len if axis is RowAxis.TOKENS else self.max_batch_size
+            self.register_slot(name, BufferSpec((rows,), dtype, self.device), axis=axis, pad_value=pad)
+
+    def register_slot(
+        self,
+        name: str,
+        spec: BufferSpec,
+        is_static: bool = True,
+        axis: RowAxis = RowAxis.TOKENS,
+        pad_value: float = 0,
+    ) -> InputSlot:
+        """Allocate the static tensor for ``name`` once; re-registering replaces the slot."""
+        if name in self.slots:
+            self.pool.release(self.slots.pop(name).tensor)
+        slot = InputSlot(name, spec, self.pool.allocate(spec), axis=axis, pad_value=pad_value, is_static=is_static)
+        self.slots[name] = slot
+        return slot
+
+    def get_slot(self, name: str) -> InputSlot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise KeyError(f"{name}: no such input slot (have {sorted(self.slots)})") from None
+
+    def set_pad_value(self, name: str, value: float) -> None:
+        """Change a slot's pad value and rewrite its padding rows with it."""
+        slot = self.get_slot(name)
+        slot.pad_value = value
+        slot.tensor.fill_(value)
+        slot.high_water = 0
+
+    def stage_inputs(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        num_tokens: int,
+        num_reqs: Optional[int] = None,
+    ) -> None:
+        """Copy live rows of ``inputs`` (by slot name) into their slots and pad every other row.
+
+        Everything is checked before anything is written, so bad input leaves every slot unchanged.
+        """
+        slots = [self.get_slot(name) for name in inputs]
+        num_reqs = num_tokens if num_reqs is None else num_reqs
+        for slot in slots:
+            data = inputs[slot.name]
+            slot.check(data)
+            expected = {RowAxis.TOKENS: num_tokens, RowAxis.REQUESTS: num_reqs}.get(slot.axis, data.shape[0])
+            if slot.axis is not RowAxis.FIXED and data.shape[0] != expected:
+                raise ValueError(f"{slot.name}: expected {expected} rows, got {data.shape[0]}")
+        self.stage_rows(slots, [inputs[slot.name] for slot in slots], num_tokens, num_reqs)
+
+    def stage_rows(
+        self,
+        slots: Sequence[InputSlot],
+        live: Sequence[torch.Tensor],
+        num_tokens: int,
+        num_reqs: int,
+    ) -> None:
+        """Hot path, inputs already checked: one fused copy for all slots, then re-pad dirty rows."""
+        destinations = [
+            slot.view(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs) for slot in slots
+        ]
+        torch._foreach_copy_(destinations, list(live))
+        for slot in slots:
+            if slot.axis is not RowAxis.FIXED:
+                slot.pad(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs)
+
+    def get_static_tensors(self, num_tokens: Optional[int] = None, num_reqs: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """Views of every static tensor cut to the given row counts (whole tensors when None)."""
+        result = {}
+        for name, slot in self.slots.items():
+            rows = {RowAxis.TOKENS: num_tokens, RowAxis.REQUESTS: num_reqs}.get(slot.axis)
+            result[name] = slot.tensor if rows is None else slot.view(rows)
+        return result
+
+    def static_bytes(self) -> int:
+        """Bytes held by static input tensors: one maximum batch, whatever the number of keys."""
+        return sum(slot.spec.size_bytes() for slot in self.slots.values())
+
+    def release_all(self) -> None:
+        """Give every slot's tensor back to the pool and forget the slots."""
+        for slot in self.slots.values():
+            self.pool.release(slot.tensor)
+        self.slots.clear()

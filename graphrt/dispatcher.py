@@ -1,0 +1,221 @@
+"""Decision, ReplayDispatcher: graph-or-eager per step, then staging, replay and output slicing.
+
+The per-step path reads only metadata (dtypes, shapes, Python ints) and never reads
+device memory: one table lookup, one fused staging copy, the attention replay hook,
+the replay, and a cached slice of the static outputs.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .batch import MULTIMODAL_FIELDS, ForwardBatch, ForwardMode
+from .buffers import InputBufferManager, InputSlot
+from .registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
+from .stats import RuntimeStats
+
+CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
+
+
+class EagerReason(str, enum.Enum):
+    """Why a step ran eagerly instead of replaying a graph (a fixed set, each counted)."""
+
+    GRAPHS_DISABLED = "graphs_disabled"  # backend="eager" or GRAPHRT_DISABLE=1
+    NOT_CAPTURED = "not_captured"  # capture() has not run (or was interrupted) for this key
+    MODE_NOT_CAPTURED = "mode_not_captured"
+    BATCH_TOO_LARGE = "batch_too_large"
+    SHAPE_MISMATCH = "shape_mismatch"
+    CAPTURE_FAILED = "capture_failed"
+    DISABLED = "disabled"
+    UNSUPPORTED_FIELD = "unsupported_field"
+    CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
+    REPLAY_FAILED = "replay_failed"  # the replay raised; the step re-ran eagerly
+
+
+STATUS_REASONS = {
+    GraphStatus.PENDING: EagerReason.NOT_CAPTURED,
+    GraphStatus.FAILED: EagerReason.CAPTURE_FAILED,
+    GraphStatus.DISABLED: EagerReason.DISABLED,
+}
+
+
+class Decision(NamedTuple):
+    """Replay ``entry`` (its key), or run eagerly for ``reason``."""
+
+    entry: Optional[GraphEntry]
+    reason: Optional[EagerReason]
+
+    @property
+    def key(self) -> Optional[GraphKey]:
+        return self.entry.key if self.entry is not None else None
+
+    @property
+    def use_graph(self) -> bool:
+        return self.reason is None
+
+
+def slice_rows(outputs: Any, flat: Sequence[torch.Tensor], key: GraphKey, num_tokens: int, num_reqs: int) -> Any:
+    """Views of the static outputs without padding rows: a tensor whose first dim is the padded
+    token count is cut to the real tokens, one sized by padded requests to the real requests."""
+    sliced = []
+    for tensor in flat:
+        rows = tensor.shape[0] if tensor.dim() else None
+        if rows == key.num_tokens:
+            tensor = tensor[:num_tokens]
+        elif rows == key.num_reqs:
+            tensor = tensor[:num_reqs]
+        sliced.append(tensor)
+    if isinstance(outputs, torch.Tensor):
+        return sliced[0]
+    return tree_unflatten(sliced, tree_flatten(outputs)[1])
+
+
+class GraphDispatcher:
+    """The adapter-free core: O(1) key lookup, replay of a staged entry, cached output slicing."""
+
+    def __init__(self, registry: GraphRegistry, stats: RuntimeStats, copy_outputs: bool = False) -> None:
+        self.registry = registry
+        self.stats = stats
+        self.copy_outputs = copy_outputs
+
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
+        """Table lookup plus the key's status: the shared core of every adapter's decision."""
+        entry, why = self.registry.lookup(mode, num_tokens, num_reqs)
+        if entry is None:
+            return Decision(None, EagerReason(why))
+        if entry.status is not GraphStatus.READY:
+            return Decision(entry, STATUS_REASONS[entry.status])
+        return Decision(entry, None)
+
+    def replay(self, entry: GraphEntry, num_tokens: int, num_reqs: int) -> Any:
+        """Replay an already-staged entry and return its outputs cut to the real rows."""
+        graph = entry.graph
+        graph.replay()
+        result = entry.result_cache.get((num_tokens, num_reqs))
+        if result is None:
+            result = slice_rows(graph.outputs, graph.flat_outputs, entry.key, num_tokens, num_reqs)
+            entry.result_cache[(num_tokens, num_reqs)] = result
+        self.stats.record_graph(entry.key, num_tokens, entry.key.num_tokens)
+        return tree_map(torch.Tensor.clone, result) if self.copy_outputs else result
+
+    def disable(self, key: GraphKey, reason: str) -> None:
+        """Take a key out of use; its steps run eagerly from now on."""
+        self.registry.disable(key, reason)
+
+
+class ReplayDispatcher(GraphDispatcher):
+    """Runs ForwardBatches through the registry's graphs, staging into the buffer manager's slots."""
+
+    def __init__(
+        self,
+        registry: GraphRegistry,
+        buffers: InputBufferManager,
+        stats: RuntimeStats,
+        context: Dict[str, Any],
+        copy_outputs: bool = False,
+        graphs_enabled: bool = True,
+    ) -> None:
+        super().__init__(registry, stats, copy_outputs)
+        self.buffers = buffers
+        self.context = context
+        self.graphs_enabled = graphs_enabled
+        self._replay_hook: Optional[Callable[[ForwardBatch], None]] = getattr(
+            context.get("attn_backend"), "init_forward_metadata_replay", None
+        )
+        self.seq_lens_pad = int(buffers.get_slot("seq_lens").pad_value)
+        self._decode_slots = self._slots("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+        self._extend_slots: Tuple[InputSlot, ...] = ()
+        self._seq_lens_cpu: Optional[InputSlot] = None
+
+    def _slots(self, *names: str) -> Tuple[InputSlot, ...]:
+        return tuple(self.buffers.get_slot(name) for name in names)
+
+    def enable_extend_slots(self) -> None:
+        """Stage the extend fields too (for EXTEND/MIXED keys)."""
+        self._extend_slots = self._slots("extend_seq_lens", "extend_prefix_lens", "extend_start_loc")
+
+    def enable_seq_lens_cpu(self, slot: InputSlot) -> None:
+        """Keep a padded host mirror of seq_lens for the replay hook when batches carry one."""
+        self._seq_lens_cpu = slot
+
+    # ---- decision -------------------------------------------------------------------------
+
+    def decide(self, batch: ForwardBatch) -> Decision:
+        """Graph key for this (already validated) batch, or the reason it must run eagerly."""
+        if not self.graphs_enabled:
+            return Decision(None, EagerReason.GRAPHS_DISABLED)
+        if batch.positions is None or batch.return_logprob or batch.top_logprobs_nums is not None:
+            return Decision(None, EagerReason.UNSUPPORTED_FIELD)
+        for name in MULTIMODAL_FIELDS:
+            if getattr(batch, name) is not None:
+                return Decision(None, EagerReason.UNSUPPORTED_FIELD)
+        for name in CONTEXT_FIELDS:
+            value = getattr(batch, name)
+            if value is not None and value is not self.context.get(name):
+                return Decision(None, EagerReason.CONTEXT_MISMATCH)
+        return self.lookup(batch.forward_mode, batch.input_ids.shape[0], batch.batch_size)
+
+    # ---- graph path -----------------------------------------------------------------------
+
+    def run_graph(self, entry: GraphEntry, batch: ForwardBatch) -> Any:
+        """Stage ``batch`` into the static tensors, run the replay hook, replay, slice outputs."""
+        num_tokens, num_reqs = batch.input_ids.shape[0], batch.batch_size
+        slots = self._decode_slots
+        live = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
+        if batch.forward_mode.is_extend():
+            slots = slots + self._extend_slots
+            live += [batch.extend_seq_lens, batch.extend_prefix_lens, batch.extend_start_loc]
+        self.buffers.stage_rows(slots, live, num_tokens, num_reqs)
+        static_batch: ForwardBatch = entry.inputs
+        padding = entry.key.num_reqs - num_reqs
+        if batch.forward_mode.is_extend():
+            self._pad_extend(entry, batch, padding)
+        static_batch.seq_lens_sum = batch.seq_lens_sum + padding * self.seq_lens_pad
+        static_batch.seq_lens_cpu = self._stage_seq_lens_cpu(batch, entry.key.num_reqs)
+        if self._replay_hook is not None:
+            self._replay_hook(static_batch)
+        return self.replay(entry, num_tokens, num_reqs)
+
+    def _pad_extend(self, entry: GraphEntry, batch: ForwardBatch, padding: int) -> None:
+        """Padding requests start where the real tokens end, so start offsets never decrease."""
+        start_loc = self.buffers.get_slot("extend_start_loc").tensor
+        start_loc[batch.batch_size : entry.key.num_reqs].fill_(batch.input_ids.shape[0])
+        static_batch: ForwardBatch = entry.inputs
+        if batch.extend_seq_lens_cpu is not None:
+            static_batch.extend_seq_lens_cpu = list(batch.extend_seq_lens_cpu) + [0] * padding
+        if batch.extend_prefix_lens_cpu is not None:
+            static_batch.extend_prefix_lens_cpu = list(batch.extend_prefix_lens_cpu) + [0] * padding
+
+    def _stage_seq_lens_cpu(self, batch: ForwardBatch, padded_reqs: int) -> Optional[torch.Tensor]:
+        if batch.seq_lens_cpu is None or self._seq_lens_cpu is None:
+            return None
+        self._seq_lens_cpu.set_data(batch.seq_lens_cpu)
+        return self._seq_lens_cpu.view(padded_reqs)
+
+
+def static_batch_for(key: GraphKey, buffers: InputBufferManager, context: Dict[str, Any], pad_seq_len: int) -> ForwardBatch:
+    """The padded ForwardBatch a key's graph reads: every tensor a view of a static slot."""
+    views = buffers.get_static_tensors(num_tokens=key.num_tokens, num_reqs=key.num_reqs)
+    extend = key.mode.is_extend()
+    return ForwardBatch(
+        forward_mode=key.mode,
+        batch_size=key.num_reqs,
+        input_ids=views["input_ids"],
+        req_pool_indices=views["req_pool_indices"],
+        seq_lens=views["seq_lens"],
+        out_cache_loc=views["out_cache_loc"],
+        seq_lens_sum=key.num_reqs * pad_seq_len,
+        positions=views["positions"],
+        extend_num_tokens=key.num_tokens if extend else None,
+        extend_seq_lens=views.get("extend_seq_lens") if extend else None,
+        extend_prefix_lens=views.get("extend_prefix_lens") if extend else None,
+        extend_start_loc=views.get("extend_start_loc") if extend else None,
+        **{name: context.get(name) for name in CONTEXT_FIELDS},
+    )
+
+
+__all__: List[str] = ["EagerReason", "Decision", "GraphDispatcher", "ReplayDispatcher", "slice_rows", "static_batch_for"]

@@ -1,0 +1,186 @@
+"""GraphKey, GraphEntry, GraphRegistry: capture every key, look keys up, disable failed ones."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+from tqdm.auto import tqdm
+
+from .backends.base import CapturedGraph, GraphBackend
+from .batch import ForwardMode
+from .sizes import SizeGrid, build_pad_table
+
+logger = logging.getLogger(__name__)
+
+
+class GraphKey(NamedTuple):
+    """What a graph was captured for: mode and padded row counts (tokens, requests)."""
+
+    mode: ForwardMode
+    num_tokens: int
+    num_reqs: int
+
+    def __str__(self) -> str:
+        if self.num_tokens == self.num_reqs:
+            return f"{self.mode.name.lower()}/bs={self.num_reqs}"
+        return f"{self.mode.name.lower()}/tokens={self.num_tokens},reqs={self.num_reqs}"
+
+
+class GraphStatus(enum.Enum):
+    """Where a key stands: waiting for capture, replayable, or out of use (with a reason)."""
+
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    DISABLED = "disabled"
+
+
+@dataclass
+class GraphEntry:
+    """One key's graph and what the runner needs to replay it."""
+
+    key: GraphKey
+    inputs: Any = None
+    graph: Optional[CapturedGraph] = None
+    status: GraphStatus = GraphStatus.PENDING
+    reason: Optional[str] = None
+    seconds: float = 0.0
+    pool_bytes: Optional[int] = None
+    result_cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class KeyReport:
+    """Capture outcome of one key."""
+
+    key: GraphKey
+    ok: bool
+    seconds: float
+    pool_bytes: Optional[int]
+    reason: Optional[str] = None
+
+
+@dataclass
+class CaptureReport:
+    """Per-key capture outcomes, largest key first."""
+
+    keys: List[KeyReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> List[GraphKey]:
+        return [report.key for report in self.keys if report.ok]
+
+    @property
+    def failed(self) -> Dict[GraphKey, str]:
+        return {report.key: report.reason or "" for report in self.keys if not report.ok}
+
+    @property
+    def seconds(self) -> float:
+        return sum(report.seconds for report in self.keys)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(report.pool_bytes or 0 for report in self.keys)
+
+    def __str__(self) -> str:
+        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'pool MiB':>9}  reason"]
+        for report in self.keys:
+            pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
+            status = "ok" if report.ok else "failed"
+            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {pool:>9}  {report.reason or ''}")
+        return "\n".join(lines)
+
+
+class GraphRegistry:
+    """Holds one GraphEntry per key; captures them through a backend, largest first."""
+
+    def __init__(self, backend: Optional[GraphBackend], warmup_iters: int = 2) -> None:
+        self.backend = backend
+        self.warmup_iters = warmup_iters
+        self.entries: Dict[GraphKey, GraphEntry] = {}
+        self.grids: Dict[ForwardMode, Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
+
+    def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_inputs: Callable[[GraphKey], Any]) -> None:
+        """Register every key of ``grid`` for ``mode`` and precompute its padded-size tables."""
+        self.grids[mode] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
+        for num_tokens, num_reqs in grid.pairs():
+            key = GraphKey(mode, num_tokens, num_reqs)
+            self.add(key, make_inputs(key))
+
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Tuple[Optional[GraphEntry], str]:
+        """The entry whose key pads (num_tokens, num_reqs) least, in O(1), or None and why not."""
+        grid_tables = self.grids.get(mode)
+        if grid_tables is None:
+            return None, "mode_not_captured"
+        grid, token_table, req_table = grid_tables
+        if num_tokens >= len(token_table) or num_reqs >= len(req_table):
+            return None, "batch_too_large"
+        padded_tokens = token_table[num_tokens]
+        padded_reqs = padded_tokens if grid.diagonal else req_table[num_reqs]
+        entry = self.entries.get(GraphKey(mode, padded_tokens, padded_reqs))
+        return (entry, "") if entry is not None else (None, "batch_too_large")
+
+    def add(self, key: GraphKey, inputs: Any = None) -> GraphEntry:
+        """Register ``key`` (pending capture) with the static inputs its graph will read."""
+        entry = self.entries[key] = GraphEntry(key, inputs)
+        return entry
+
+    def get(self, key: GraphKey) -> Optional[GraphEntry]:
+        return self.entries.get(key)
+
+    def capture_all(
+        self,
+        make_callable: Callable[[GraphEntry], Callable[[], Any]],
+        before_capture: Optional[Callable[[GraphEntry], None]] = None,
+        progress: bool = True,
+    ) -> CaptureReport:
+        """Capture every pending key, largest first; a key whose capture raises is marked
+        FAILED with the reason and the others go on. KeyboardInterrupt stops the loop,
+        keeps the keys already captured and propagates."""
+        report = CaptureReport()
+        pending = sorted(
+            (entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
+            key=lambda entry: (entry.key.num_tokens, entry.key.num_reqs, entry.key.mode),
+            reverse=True,
+        )
+        with self.backend.capture_session():
+            for entry in tqdm(pending, desc=f"capturing {self.backend.name} graphs", disable=not progress):
+                report.keys.append(self._capture_one(entry, make_callable, before_capture))
+        return report
+
+    def _capture_one(
+        self,
+        entry: GraphEntry,
+        make_callable: Callable[[GraphEntry], Callable[[], Any]],
+        before_capture: Optional[Callable[[GraphEntry], None]],
+    ) -> KeyReport:
+        start = time.perf_counter()
+        try:
+            if before_capture is not None:
+                before_capture(entry)
+            entry.graph = self.backend.capture(make_callable(entry), self.warmup_iters)
+        except Exception as error:  # a failed capture disables only this key
+            entry.status, entry.reason = GraphStatus.FAILED, f"{type(error).__name__}: {error}"
+            logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
+        else:
+            entry.status, entry.pool_bytes = GraphStatus.READY, entry.graph.pool_bytes
+        entry.seconds = time.perf_counter() - start
+        return KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds, entry.pool_bytes, entry.reason)
+
+    def disable(self, key: GraphKey, reason: str) -> None:
+        """Take ``key`` out of use (its steps run eagerly) and drop its graph."""
+        entry = self.entries[key]
+        entry.status, entry.reason, entry.graph = GraphStatus.DISABLED, reason, None
+        entry.result_cache.clear()
+        logger.warning("graph %s disabled: %s", key, reason)
+
+    def ready_keys(self) -> Iterable[GraphKey]:
+        return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
+
+    def clear(self) -> None:
+        """Forget every entry and graph (their pool memory returns when the graphs are freed)."""
+        self.entries.clear()

@@ -1,0 +1,212 @@
+"""GraphRunner, the facade: wrap a model once, capture, then call it every step.
+
+Each call validates the batch (metadata only on GPU), asks the dispatcher for a graph
+key, and either stages + replays that graph or runs the model eagerly, counting why.
+Calls are serialized by a lock: graphs share static buffers, so two threads replaying at
+once would overwrite each other's inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from .batch import ForwardBatch, ForwardMode, debug_enabled
+from .buffers import BufferSpec, InputBufferManager, RowAxis
+from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, static_batch_for
+from .registry import CaptureReport, GraphEntry, GraphRegistry
+from .sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
+from .stats import RuntimeStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PAD_VALUES = {"input_ids": 0, "positions": 0, "seq_lens": 1, "out_cache_loc": 0, "req_pool_indices": 0}
+EXTEND_SLOTS = ("extend_seq_lens", "extend_prefix_lens", "extend_start_loc")
+
+
+class GraphRunner:
+    """Captures ``model(input_ids, positions, forward_batch)`` per padded size and replays it.
+
+    ``capture_sizes``: decode batch sizes to capture (default: 1, 2, 4, 8, then multiples of 8
+    up to ``max_batch_size``). ``extend_capture_sizes``: ``(token_sizes, request_sizes)`` for
+    EXTEND/MIXED modes, captured only when the attention backend lists the mode in ``graph_modes``.
+    ``batch_context``: the objects every batch shares (``attn_backend``, ``req_to_token_pool``,
+    ``token_to_kv_pool``); the graphs are bound to them.
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        max_batch_size: int = 64,
+        capture_sizes: Optional[Union[Sequence[int], str]] = None,
+        modes: Iterable[ForwardMode] = (ForwardMode.DECODE,),
+        backend: str = "auto",
+        device: Optional[Union[str, torch.device]] = None,
+        warmup_iters: int = 2,
+        pad_values: Optional[Mapping[str, int]] = None,
+        copy_outputs: bool = False,
+        batch_context: Optional[Mapping[str, Any]] = None,
+        extend_capture_sizes: Optional[tuple] = None,
+        debug: Optional[bool] = None,
+        progress: bool = True,
+    ) -> None:
+        requested = resolve_backend_name(backend)
+        self.device = resolve_device(requested, device)
+        self.backend_name = "eager" if graphs_disabled_by_env() else requested
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.modes = tuple(ForwardMode(mode) for mode in modes)
+        self.debug = debug_enabled() if debug is None else debug
+        self.progress = progress
+        self.context: Dict[str, Any] = self._check_context(batch_context or {})
+        self.capture_sizes = self._resolve_sizes(capture_sizes)
+        self.extend_grid = self._extend_grid(extend_capture_sizes)
+        max_tokens = max(self.max_batch_size, self.extend_grid.max_tokens if self.extend_grid else 0)
+        self.buffers = InputBufferManager(max_batch_size=max_batch_size, max_seq_len=max_tokens, device=self.device)
+        self._apply_pad_values(pad_values or {})
+        self.stats_counters = RuntimeStats()
+        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), warmup_iters)
+        self.dispatcher = ReplayDispatcher(
+            self.registry, self.buffers, self.stats_counters, self.context, copy_outputs,
+            graphs_enabled=self.backend_name != "eager",
+        )
+        self.dispatcher.enable_seq_lens_cpu(self.buffers.register_slot(
+            "seq_lens_cpu", BufferSpec((max_batch_size,), torch.int32, torch.device("cpu")),
+            axis=RowAxis.REQUESTS, pad_value=self.buffers.get_slot("seq_lens").pad_value,
+        ))
+        self._lock = threading.Lock()
+        self._register_keys()
+
+    # ---- construction helpers ---------------------------------------------------------------
+
+    @staticmethod
+    def _check_context(context: Mapping[str, Any]) -> Dict[str, Any]:
+        unknown = set(context) - set(CONTEXT_FIELDS)
+        if unknown:
+            raise ValueError(f"batch_context: expected keys among {CONTEXT_FIELDS}, got {sorted(unknown)}")
+        return dict(context)
+
+    def _resolve_sizes(self, capture_sizes: Optional[Union[Sequence[int], str]]) -> list:
+        if capture_sizes is None:
+            return default_capture_sizes(self.max_batch_size)
+        if isinstance(capture_sizes, str):
+            raise ValueError(f"capture_sizes: expected None or a list of ints, got {capture_sizes!r}")
+        return normalize_capture_sizes(capture_sizes, self.max_batch_size)
+
+    def _extend_grid(self, extend_capture_sizes: Optional[tuple]) -> Optional[SizeGrid]:
+        if not any(mode.is_extend() for mode in self.modes):
+            return None
+        if extend_capture_sizes is None:
+            token_sizes = [64, 128, 256, 512]
+            req_sizes = default_capture_sizes(self.max_batch_size)
+        else:
+            token_sizes, req_sizes = extend_capture_sizes
+        token_sizes = normalize_capture_sizes(token_sizes, 1 << 20, "extend_capture_sizes[0]")
+        req_sizes = normalize_capture_sizes(req_sizes, self.max_batch_size, "extend_capture_sizes[1]")
+        return SizeGrid.for_extend(token_sizes, req_sizes)
+
+    def _apply_pad_values(self, pad_values: Mapping[str, int]) -> None:
+        for name, value in pad_values.items():
+            if name not in DEFAULT_PAD_VALUES:
+                raise ValueError(f"pad_values: expected keys among {sorted(DEFAULT_PAD_VALUES)}, got {name!r}")
+            if type(value) is not int or (name == "seq_lens" and value < 1) or value < 0:
+                raise ValueError(f"pad_values[{name!r}]: expected a non-negative int (seq_lens >= 1), got {value!r}")
+            self.buffers.set_pad_value(name, value)
+
+    def _graph_modes(self) -> tuple:
+        """Modes that get graphs: decode-style always; extend-style only if the backend says so."""
+        backend_modes = getattr(self.context.get("attn_backend"), "graph_modes", None)
+        modes = []
+        for mode in self.modes:
+            if mode.is_extend() and (backend_modes is None or mode not in backend_modes):
+                logger.info("mode %s runs eagerly: the attention backend does not list it in graph_modes", mode.name)
+                continue
+            modes.append(mode)
+        return tuple(modes)
+
+    def _register_keys(self) -> None:
+        pad_seq_len = int(self.buffers.get_slot("seq_lens").pad_value)
+        graph_modes = self._graph_modes()
+        if any(mode.is_extend() for mode in graph_modes):
+            for name in EXTEND_SLOTS:
+                spec = BufferSpec((self.max_batch_size,), torch.int32, self.device)
+                self.buffers.register_slot(name, spec, axis=RowAxis.REQUESTS, pad_value=0)
+            self.dispatcher.enable_extend_slots()
+
+        def make_inputs(key):
+            return static_batch_for(key, self.buffers, self.context, pad_seq_len)
+
+        for mode in graph_modes:
+            grid = self.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
+            self.registry.add_grid(mode, grid, make_inputs)
+
+    # ---- capture ------------------------------------------------------------------------------
+
+    def capture(self) -> CaptureReport:
+        """Capture every registered key, largest first (a failed key runs eagerly, others go on)."""
+        if self.backend_name == "eager":
+            logger.info("graphs are off (backend eager or %s=1): nothing to capture", DISABLE_ENV)
+            return CaptureReport()
+        attn_backend = self.context.get("attn_backend")
+        init_graph_state = getattr(attn_backend, "init_graph_state", None)
+        if init_graph_state is not None:
+            init_graph_state(self.max_batch_size, self.buffers.max_seq_len)
+        capture_hook = getattr(attn_backend, "init_forward_metadata_capture", None)
+
+        def before_capture(entry: GraphEntry) -> None:
+            if capture_hook is not None:
+                capture_hook(entry.inputs)
+
+        def make_callable(entry: GraphEntry) -> Callable[[], Any]:
+            static_batch = entry.inputs
+            return lambda: self.model(static_batch.input_ids, static_batch.positions, static_batch)
+
+        with self._lock:
+            report = self.registry.capture_all(make_callable, before_capture, progress=self.progress)
+        logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
+        return report
+
+    # ---- per step -----------------------------------------------------------------------------
+
+    def __call__(self, batch: ForwardBatch) -> Any:
+        """Run one step: replay the graph that fits, else eager; returns only the real rows."""
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
+        with self._lock:
+            batch.validate(self.device, self.debug)
+            self.stats_counters.record_size(batch.forward_mode.name, batch.batch_size)
+            decision = self.dispatcher.decide(batch)
+            if decision.reason is not None:
+                return self._run_eager(batch, decision.reason)
+            try:
+                return self.dispatcher.run_graph(decision.entry, batch)
+            except Exception as error:  # a replay that raises: disable the key, redo the step eagerly
+                self.dispatcher.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
+                return self._run_eager(batch, EagerReason.REPLAY_FAILED)
+
+    def _run_eager(self, batch: ForwardBatch, reason: EagerReason) -> Any:
+        self.stats_counters.record_eager(reason.value, batch.input_ids.shape[0])
+        missing = {name: self.context[name] for name in self.context if getattr(batch, name) is None}
+        if missing:
+            batch = dataclasses.replace(batch, **missing)
+        init_metadata = getattr(batch.attn_backend, "init_forward_metadata", None)
+        if init_metadata is not None:
+            init_metadata(batch)
+        with torch.no_grad():
+            return self.model(batch.input_ids, batch.positions, batch)
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: graph_runs, eager_runs, eager_reasons, real_tokens, padded_tokens, and more."""
+        result = self.stats_counters.as_dict()
+        result["backend"] = self.backend_name
+        result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
+        result["failed_keys"] = {
+            str(key): entry.reason for key, entry in self.registry.entries.items() if entry.reason is not None
+        }
+        result["static_input_bytes"] = self.buffers.static_bytes()
+        return result
