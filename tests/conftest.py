@@ -1,0 +1,88 @@
+"""Shared fixtures: a toy paged model, batch factories, and the backend matrix (cuda tests skip cleanly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt import ForwardBatch, ForwardMode
+
+SCRATCH_SLOT = 0
+CUDA_AVAILABLE = torch.cuda.is_available()
+
+BACKENDS = [
+    pytest.param(("emulated", "cpu"), id="emulated"),
+    pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.cuda),
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords and not CUDA_AVAILABLE:
+            item.add_marker(skip)
+
+
+class ToyPagedModel(torch.nn.Module):
+    """Embeds tokens and positions, writes each token's state into an external KV tensor at
+    out_cache_loc, mixes in the request's previous KV row, and projects through a GEMM."""
+
+    def __init__(self, vocab: int = 97, hidden: int = 32, num_slots: int = 256, device: str = "cpu") -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator).to(device))
+        self.pos = torch.nn.Parameter(torch.randn(512, hidden, generator=generator).to(device))
+        self.proj = torch.nn.Parameter(torch.randn(hidden, vocab, generator=generator).to(device) / hidden**0.5)
+        self.kv = torch.zeros(num_slots, hidden, device=device)
+
+    def forward(self, input_ids, positions, forward_batch):
+        if positions is None:
+            positions = forward_batch.seq_lens.long() - 1
+        hidden = self.embed[input_ids] + self.pos[positions]
+        self.kv.index_copy_(0, forward_batch.out_cache_loc, hidden)
+        previous = self.kv[forward_batch.req_pool_indices]
+        hidden = hidden + 0.5 * previous + forward_batch.seq_lens.to(hidden.dtype)[:, None] * 1e-3
+        return hidden @ self.proj
+
+
+def decode_batch(batch_size: int, device: str = "cpu", seed: int = 0, **overrides) -> ForwardBatch:
+    """A valid random DECODE batch (slots and requests start at 1: 0 is reserved for padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, 50, (batch_size,), generator=generator, dtype=torch.int32)
+    fields = dict(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=batch_size,
+        input_ids=torch.randint(0, 97, (batch_size,), generator=generator).to(device),
+        req_pool_indices=(torch.randperm(100, generator=generator)[:batch_size] + 1).to(device),
+        seq_lens=seq_lens.to(device),
+        out_cache_loc=(torch.randperm(200, generator=generator)[:batch_size] + 1).to(device),
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=(seq_lens.long() - 1).to(device),
+    )
+    fields.update(overrides)
+    return ForwardBatch(**fields)
+
+
+def pad_batch(batch: ForwardBatch, padded: int, scratch: int = SCRATCH_SLOT) -> ForwardBatch:
+    """The same batch padded eagerly the way the runner pads (ids/positions 0, seq_lens 1,
+    out_cache_loc the scratch slot, req_pool_indices the dummy request 0)."""
+    extra = padded - batch.batch_size
+
+    def pad(tensor, value):
+        return torch.cat([tensor, torch.full((extra,), value, dtype=tensor.dtype, device=tensor.device)])
+
+    return ForwardBatch(
+        forward_mode=batch.forward_mode,
+        batch_size=padded,
+        input_ids=pad(batch.input_ids, 0),
+        req_pool_indices=pad(batch.req_pool_indices, 0),
+        seq_lens=pad(batch.seq_lens, 1),
+        out_cache_loc=pad(batch.out_cache_loc, scratch),
+        seq_lens_sum=batch.seq_lens_sum + extra,
+        positions=pad(batch.positions, 0),
+    )
+
+
+def static_checksums(runner) -> dict:
+    """A copy of every static input tensor, to prove bad input leaves them unchanged."""
+    return {name: slot.tensor.clone() for name, slot in runner.buffers.slots.items()}
