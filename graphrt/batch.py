@@ -60,7 +60,6 @@ class FieldSpec:
     name: str
     per_token: bool
     dtypes: tuple
-    non_negative: bool = True
 
 
 # Tensor fields the runtime stages into static buffers, in staging order.
@@ -78,7 +77,8 @@ EXTEND_FIELDS = (
     FieldSpec("extend_prefix_lens", per_token=False, dtypes=INDEX_DTYPES),
     FieldSpec("extend_start_loc", per_token=False, dtypes=INDEX_DTYPES),
 )
-REQUIRED_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc")
+DECODE_SPECS = TOKEN_FIELDS + REQUEST_FIELDS
+EXTEND_SPECS = DECODE_SPECS + EXTEND_FIELDS
 # Optional multimodal tensors: graphs are captured without them.
 MULTIMODAL_FIELDS = ("mrope_position_deltas", "pixel_values", "image_grid_thw")
 
@@ -122,37 +122,44 @@ class ForwardBatch:
         ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
         ``debug``: also check values of device tensors (synchronizes); default from GRAPHRT_DEBUG.
         """
-        if not isinstance(self.forward_mode, ForwardMode):
-            raise TypeError(f"forward_mode: expected a ForwardMode, got {type(self.forward_mode).__name__}")
+        mode = self.forward_mode
+        if not isinstance(mode, ForwardMode):
+            raise TypeError(f"forward_mode: expected a ForwardMode, got {type(mode).__name__}")
         if type(self.batch_size) is not int or self.batch_size < 0:
             raise TypeError(f"batch_size: expected a non-negative int, got {self.batch_size!r}")
         if type(self.seq_lens_sum) is not int:
             raise TypeError(f"seq_lens_sum: expected a Python int, got {type(self.seq_lens_sum).__name__}")
-        for name in REQUIRED_FIELDS:
-            if getattr(self, name) is None:
-                raise ValueError(f"{name}: required field is missing (None)")
+        input_ids = self.input_ids
+        if not isinstance(input_ids, torch.Tensor):
+            check_tensor(TOKEN_FIELDS[0], input_ids, 0, device)
         if device is None:
-            device = self.input_ids.device if isinstance(self.input_ids, torch.Tensor) else None
-        num_tokens = self.num_tokens
-        if self.forward_mode.is_decode_or_idle() and num_tokens != self.batch_size:
+            device = input_ids.device
+        num_tokens = input_ids.shape[0] if input_ids.dim() else -1
+        extend = mode.is_extend()
+        if not extend and num_tokens != self.batch_size:
             raise ValueError(
-                f"input_ids: expected shape [batch_size={self.batch_size}] for {self.forward_mode.name}, "
-                f"got {list(self.input_ids.shape)}"
+                f"input_ids: expected shape [batch_size={self.batch_size}] for {mode.name}, "
+                f"got {list(input_ids.shape)}"
             )
-        fields = TOKEN_FIELDS + REQUEST_FIELDS + (EXTEND_FIELDS if self.forward_mode.is_extend() else ())
-        check_values = debug if debug is not None else debug_enabled()
+        check_values = debug_enabled() if debug is None else debug
         readable = []
-        for spec in fields:
+        for spec in EXTEND_SPECS if extend else DECODE_SPECS:
             tensor = getattr(self, spec.name)
+            rows = num_tokens if spec.per_token else self.batch_size
             if tensor is None:
                 if spec.name == "positions":
                     continue
-                raise ValueError(f"{spec.name}: required for {self.forward_mode.name} batches, got None")
-            check_tensor(spec, tensor, num_tokens if spec.per_token else self.batch_size, device)
+                raise ValueError(f"{spec.name}: required field is missing (None) for {mode.name} batches")
+            if (
+                not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes
+                or tensor.dim() != 1 or tensor.shape[0] != rows or tensor.device != device
+            ):
+                check_tensor(spec, tensor, rows, device)
             if check_values or tensor.is_cpu:
-                readable.append((spec.name, tensor))
-        check_non_negative(readable)
-        if self.forward_mode.is_extend():
+                readable.append(tensor)
+        if readable:
+            check_non_negative(self, readable)
+        if extend:
             self._validate_extend(num_tokens)
         self._validate_seq_lens_sum(check_values)
 
@@ -202,11 +209,12 @@ def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch
         raise ValueError(f"{spec.name}: expected a tensor on {device}, got one on {tensor.device}")
 
 
-def check_non_negative(named_tensors: List[tuple]) -> None:
+def check_non_negative(batch: "ForwardBatch", tensors: List[torch.Tensor]) -> None:
     """Value check (reads the tensors, one reduction for all): every entry must be >= 0."""
-    tensors = [tensor for _, tensor in named_tensors if tensor.numel()]
-    if not tensors or int(torch.cat(tensors).min()) >= 0:
+    values = torch.cat(tensors)
+    if not values.numel() or int(values.min()) >= 0:
         return
-    for name, tensor in named_tensors:
-        if tensor.numel() and int(tensor.min()) < 0:
-            raise ValueError(f"{name}: expected non-negative entries, got min {int(tensor.min())}")
+    for spec in EXTEND_SPECS:
+        tensor = getattr(batch, spec.name)
+        if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
+            raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")
