@@ -292,14 +292,8 @@ class InputBufferManager:
         num_tokens: int,
         num_reqs: int,
     ) -> None:
-        """Hot path, inputs already checked: one fused copy for all slots, then re-pad dirty rows."""
-        destinations = [
-            slot.view(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs) for slot in slots
-        ]
-        torch._foreach_copy_(destinations, list(live))
-        for slot in slots:
-            if slot.axis is not RowAxis.FIXED:
-                slot.pad(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs)
+        """Stage already-checked tensors into ``slots`` (one-off; hot paths keep a StagingPlan)."""
+        StagingPlan(slots).stage(live, num_tokens, num_reqs)
 
     def get_static_tensors(self, num_tokens: Optional[int] = None, num_reqs: Optional[int] = None) -> Dict[str, torch.Tensor]:
         """Views of every static tensor cut to the given row counts (whole tensors when None)."""
@@ -318,3 +312,29 @@ class InputBufferManager:
         for slot in self.slots.values():
             self.pool.release(slot.tensor)
         self.slots.clear()
+
+
+class StagingPlan:
+    """A fixed list of slots staged together every step: destination views are built once per
+    row count, then each step is one fused ``_foreach_copy_`` plus re-padding of dirty rows."""
+
+    def __init__(self, slots: Sequence[InputSlot]) -> None:
+        self.slots = tuple(slots)
+        self._padded = tuple(slot for slot in self.slots if slot.axis is not RowAxis.FIXED)
+        self._destinations: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+
+    def destinations(self, num_tokens: int, num_reqs: int) -> List[torch.Tensor]:
+        """Views of every slot cut to its live rows (cached)."""
+        key = (num_tokens, num_reqs)
+        views = self._destinations.get(key)
+        if views is None:
+            views = self._destinations[key] = [
+                slot.view(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs) for slot in self.slots
+            ]
+        return views
+
+    def stage(self, live: Sequence[torch.Tensor], num_tokens: int, num_reqs: int) -> None:
+        """Hot path, inputs already checked: copy live rows, restore padding above them."""
+        torch._foreach_copy_(self.destinations(num_tokens, num_reqs), live)
+        for slot in self._padded:
+            slot.pad(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs)

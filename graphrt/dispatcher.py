@@ -13,12 +13,14 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .batch import MULTIMODAL_FIELDS, ForwardBatch, ForwardMode
-from .buffers import InputBufferManager, InputSlot
+from .batch import ForwardBatch, ForwardMode
+from .buffers import InputBufferManager, InputSlot, StagingPlan
 from .registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
 from .stats import RuntimeStats
 
 CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
+DECODE_STAGED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+EXTEND_STAGED = ("extend_seq_lens", "extend_prefix_lens", "extend_start_loc")
 
 
 class EagerReason(str, enum.Enum):
@@ -99,7 +101,8 @@ class GraphDispatcher:
         if result is None:
             result = slice_rows(graph.outputs, graph.flat_outputs, entry.key, num_tokens, num_reqs)
             entry.result_cache[(num_tokens, num_reqs)] = result
-        self.stats.record_graph(entry.key, num_tokens, entry.key.num_tokens)
+        entry.hits += 1
+        self.stats.record_graph(num_tokens, entry.key.num_tokens)
         return tree_map(torch.Tensor.clone, result) if self.copy_outputs else result
 
     def disable(self, key: GraphKey, reason: str) -> None:
@@ -127,8 +130,8 @@ class ReplayDispatcher(GraphDispatcher):
             context.get("attn_backend"), "init_forward_metadata_replay", None
         )
         self.seq_lens_pad = int(buffers.get_slot("seq_lens").pad_value)
-        self._decode_slots = self._slots("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
-        self._extend_slots: Tuple[InputSlot, ...] = ()
+        self._decode_plan = StagingPlan(self._slots(*DECODE_STAGED))
+        self._extend_plan: Optional[StagingPlan] = None
         self._seq_lens_cpu: Optional[InputSlot] = None
 
     def _slots(self, *names: str) -> Tuple[InputSlot, ...]:
@@ -136,7 +139,7 @@ class ReplayDispatcher(GraphDispatcher):
 
     def enable_extend_slots(self) -> None:
         """Stage the extend fields too (for EXTEND/MIXED keys)."""
-        self._extend_slots = self._slots("extend_seq_lens", "extend_prefix_lens", "extend_start_loc")
+        self._extend_plan = StagingPlan(self._slots(*DECODE_STAGED, *EXTEND_STAGED))
 
     def enable_seq_lens_cpu(self, slot: InputSlot) -> None:
         """Keep a padded host mirror of seq_lens for the replay hook when batches carry one."""
@@ -148,15 +151,20 @@ class ReplayDispatcher(GraphDispatcher):
         """Graph key for this (already validated) batch, or the reason it must run eagerly."""
         if not self.graphs_enabled:
             return Decision(None, EagerReason.GRAPHS_DISABLED)
-        if batch.positions is None or batch.return_logprob or batch.top_logprobs_nums is not None:
+        if (
+            batch.positions is None or batch.return_logprob or batch.top_logprobs_nums is not None
+            or batch.pixel_values is not None or batch.image_grid_thw is not None
+            or batch.mrope_position_deltas is not None
+        ):
             return Decision(None, EagerReason.UNSUPPORTED_FIELD)
-        for name in MULTIMODAL_FIELDS:
-            if getattr(batch, name) is not None:
-                return Decision(None, EagerReason.UNSUPPORTED_FIELD)
-        for name in CONTEXT_FIELDS:
-            value = getattr(batch, name)
-            if value is not None and value is not self.context.get(name):
-                return Decision(None, EagerReason.CONTEXT_MISMATCH)
+        context = self.context
+        if (
+            (batch.attn_backend is not None and batch.attn_backend is not context.get("attn_backend"))
+            or (batch.token_to_kv_pool is not None and batch.token_to_kv_pool is not context.get("token_to_kv_pool"))
+            or (batch.req_to_token_pool is not None
+                and batch.req_to_token_pool is not context.get("req_to_token_pool"))
+        ):
+            return Decision(None, EagerReason.CONTEXT_MISMATCH)
         return self.lookup(batch.forward_mode, batch.input_ids.shape[0], batch.batch_size)
 
     # ---- graph path -----------------------------------------------------------------------
@@ -164,12 +172,12 @@ class ReplayDispatcher(GraphDispatcher):
     def run_graph(self, entry: GraphEntry, batch: ForwardBatch) -> Any:
         """Stage ``batch`` into the static tensors, run the replay hook, replay, slice outputs."""
         num_tokens, num_reqs = batch.input_ids.shape[0], batch.batch_size
-        slots = self._decode_slots
         live = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
         if batch.forward_mode.is_extend():
-            slots = slots + self._extend_slots
             live += [batch.extend_seq_lens, batch.extend_prefix_lens, batch.extend_start_loc]
-        self.buffers.stage_rows(slots, live, num_tokens, num_reqs)
+            self._extend_plan.stage(live, num_tokens, num_reqs)
+        else:
+            self._decode_plan.stage(live, num_tokens, num_reqs)
         static_batch: ForwardBatch = entry.inputs
         padding = entry.key.num_reqs - num_reqs
         if batch.forward_mode.is_extend():

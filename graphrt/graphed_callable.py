@@ -17,7 +17,7 @@ import torch
 
 from .backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from .batch import ForwardMode
-from .buffers import BufferSpec, InputBufferManager, InputSlot, RowAxis
+from .buffers import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
 from .dispatcher import EagerReason, GraphDispatcher
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
 from .sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
@@ -85,7 +85,7 @@ class GraphedCallable:
         self.keywords: Dict[str, ArgSpec] = {}
         self._batched: List[ArgSpec] = []
         self._staged: List[ArgSpec] = []
-        self._staged_slots: List[InputSlot] = []
+        self._plan = StagingPlan(())
         self._lock = threading.Lock()
 
     def capture(self, *args: Any, **kwargs: Any) -> CaptureReport:
@@ -108,7 +108,7 @@ class GraphedCallable:
         specs = self.positional + list(self.keywords.values())
         self._batched = [spec for spec in specs if spec.kind is ArgKind.BATCHED]
         self._staged = [spec for spec in specs if spec.slot is not None]
-        self._staged_slots = [spec.slot for spec in self._staged]
+        self._plan = StagingPlan([spec.slot for spec in self._staged])
 
     def _arg_spec(self, name: Union[int, str], value: Any, batch_size: int) -> ArgSpec:
         if not isinstance(value, torch.Tensor):
@@ -138,7 +138,7 @@ class GraphedCallable:
         with self._lock:
             batch_size, reason = self._match(args, kwargs)
             if batch_size:
-                self.stats_counters.record_size(MODE.name, batch_size)
+                self.stats_counters.record_size(MODE, batch_size)
             if reason is None:
                 decision = self.dispatcher.lookup(MODE, batch_size, batch_size)
                 reason = decision.reason
@@ -147,7 +147,7 @@ class GraphedCallable:
                 with torch.no_grad():
                     return self.fn(*args, **kwargs)
             live = [args[spec.name] if isinstance(spec.name, int) else kwargs[spec.name] for spec in self._staged]
-            self.buffers.stage_rows(self._staged_slots, live, batch_size, batch_size)
+            self._plan.stage(live, batch_size, batch_size)
             return self.dispatcher.replay(decision.entry, batch_size, batch_size)
 
     def _match(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, Optional[EagerReason]]:
@@ -173,6 +173,7 @@ class GraphedCallable:
         """Same counters as GraphRunner.stats()."""
         result = self.stats_counters.as_dict()
         result["backend"] = self.backend_name
+        result["key_hits"] = {str(key): entry.hits for key, entry in self.registry.entries.items() if entry.hits}
         result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
         return result
 

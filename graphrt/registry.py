@@ -50,6 +50,7 @@ class GraphEntry:
     reason: Optional[str] = None
     seconds: float = 0.0
     pool_bytes: Optional[int] = None
+    hits: int = 0
     result_cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
 
@@ -103,6 +104,7 @@ class GraphRegistry:
         self.warmup_iters = warmup_iters
         self.entries: Dict[GraphKey, GraphEntry] = {}
         self.grids: Dict[ForwardMode, Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
+        self._by_rows: Dict[ForwardMode, List[Optional[GraphEntry]]] = {}
 
     def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_inputs: Callable[[GraphKey], Any]) -> None:
         """Register every key of ``grid`` for ``mode`` and precompute its padded-size tables."""
@@ -110,18 +112,22 @@ class GraphRegistry:
         for num_tokens, num_reqs in grid.pairs():
             key = GraphKey(mode, num_tokens, num_reqs)
             self.add(key, make_inputs(key))
+        if grid.diagonal:
+            padded = build_pad_table(grid.token_sizes)
+            self._by_rows[mode] = [self.entries[GraphKey(mode, size, size)] for size in padded]
 
     def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Tuple[Optional[GraphEntry], str]:
         """The entry whose key pads (num_tokens, num_reqs) least, in O(1), or None and why not."""
+        by_rows = self._by_rows.get(mode)
+        if by_rows is not None:  # diagonal grid: one list index
+            return (by_rows[num_tokens], "") if num_tokens < len(by_rows) else (None, "batch_too_large")
         grid_tables = self.grids.get(mode)
         if grid_tables is None:
             return None, "mode_not_captured"
         grid, token_table, req_table = grid_tables
         if num_tokens >= len(token_table) or num_reqs >= len(req_table):
             return None, "batch_too_large"
-        padded_tokens = token_table[num_tokens]
-        padded_reqs = padded_tokens if grid.diagonal else req_table[num_reqs]
-        entry = self.entries.get(GraphKey(mode, padded_tokens, padded_reqs))
+        entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs]))
         return (entry, "") if entry is not None else (None, "batch_too_large")
 
     def add(self, key: GraphKey, inputs: Any = None) -> GraphEntry:
@@ -184,3 +190,5 @@ class GraphRegistry:
     def clear(self) -> None:
         """Forget every entry and graph (their pool memory returns when the graphs are freed)."""
         self.entries.clear()
+        self.grids.clear()
+        self._by_rows.clear()

@@ -179,7 +179,7 @@ class GraphRunner:
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
         with self._lock:
             batch.validate(self.device, self.debug)
-            self.stats_counters.record_size(batch.forward_mode.name, batch.batch_size)
+            self.stats_counters.record_size(batch.forward_mode, batch.batch_size)
             decision = self.dispatcher.decide(batch)
             if decision.reason is not None:
                 return self._run_eager(batch, decision.reason)
@@ -204,6 +204,7 @@ class GraphRunner:
         """Counters: graph_runs, eager_runs, eager_reasons, real_tokens, padded_tokens, and more."""
         result = self.stats_counters.as_dict()
         result["backend"] = self.backend_name
+        result["key_hits"] = {str(key): entry.hits for key, entry in self.registry.entries.items() if entry.hits}
         result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
         result["failed_keys"] = {
             str(key): entry.reason for key, entry in self.registry.entries.items() if entry.reason is not None

@@ -6,6 +6,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+from .batch import ForwardMode
+
 
 @dataclass
 class RuntimeStats:
@@ -16,13 +18,11 @@ class RuntimeStats:
     eager_reasons: Counter = field(default_factory=Counter)
     real_tokens: int = 0
     padded_tokens: int = 0
-    key_hits: Counter = field(default_factory=Counter)
-    histogram: Dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    histogram: Dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
 
-    def record_graph(self, key: Any, real_tokens: int, padded_tokens: int) -> None:
-        """Count one replay of ``key`` carrying ``real_tokens`` rows padded to ``padded_tokens``."""
+    def record_graph(self, real_tokens: int, padded_tokens: int) -> None:
+        """Count one replay carrying ``real_tokens`` rows padded to ``padded_tokens``."""
         self.graph_runs += 1
-        self.key_hits[key] += 1
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens - real_tokens
 
@@ -32,9 +32,9 @@ class RuntimeStats:
         self.eager_reasons[reason] += 1
         self.real_tokens += real_tokens
 
-    def record_size(self, mode_name: str, batch_size: int) -> None:
+    def record_size(self, mode: int, batch_size: int) -> None:
         """Add one observation of a real batch size to the per-mode traffic histogram."""
-        self.histogram[mode_name][batch_size] += 1
+        self.histogram[mode][batch_size] += 1
 
     def as_dict(self) -> Dict[str, Any]:
         """A JSON-friendly snapshot (keys as strings)."""
@@ -46,6 +46,7 @@ class RuntimeStats:
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
             "padding_waste": self.padded_tokens / total if total else 0.0,
-            "key_hits": {str(key): count for key, count in self.key_hits.items()},
-            "histogram": {mode: dict(sorted(counts.items())) for mode, counts in self.histogram.items()},
+            "histogram": {
+                ForwardMode(mode).name: dict(sorted(counts.items())) for mode, counts in self.histogram.items()
+            },
         }
