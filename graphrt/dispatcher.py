@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .batch import ForwardBatch, ForwardMode
 from .buffers import InputBufferManager, InputSlot, StagingPlan
+from .debug import GenerationCounter, guard_outputs
 from .registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
 from .stats import RuntimeStats
 
@@ -79,10 +80,14 @@ def slice_rows(outputs: Any, flat: Sequence[torch.Tensor], key: GraphKey, num_to
 class GraphDispatcher:
     """The adapter-free core: O(1) key lookup, replay of a staged entry, cached output slicing."""
 
-    def __init__(self, registry: GraphRegistry, stats: RuntimeStats, copy_outputs: bool = False) -> None:
+    def __init__(
+        self, registry: GraphRegistry, stats: RuntimeStats, copy_outputs: bool = False, debug: bool = False
+    ) -> None:
         self.registry = registry
         self.stats = stats
         self.copy_outputs = copy_outputs
+        self.debug = debug
+        self._generations: Dict[GraphKey, GenerationCounter] = {}
 
     def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
         """Table lookup plus the key's status: the shared core of every adapter's decision."""
@@ -103,7 +108,14 @@ class GraphDispatcher:
             entry.result_cache[(num_tokens, num_reqs)] = result
         entry.hits += 1
         self.stats.record_graph(num_tokens, entry.key.num_tokens)
-        return tree_map(torch.Tensor.clone, result) if self.copy_outputs else result
+        if self.copy_outputs:
+            return tree_map(torch.Tensor.clone, result)
+        if self.debug:
+            counter = self._generations.get(entry.key)
+            if counter is None:
+                counter = self._generations[entry.key] = GenerationCounter(str(entry.key))
+            return guard_outputs(result, counter)
+        return result
 
     def disable(self, key: GraphKey, reason: str) -> None:
         """Take a key out of use; its steps run eagerly from now on."""
@@ -121,8 +133,9 @@ class ReplayDispatcher(GraphDispatcher):
         context: Dict[str, Any],
         copy_outputs: bool = False,
         graphs_enabled: bool = True,
+        debug: bool = False,
     ) -> None:
-        super().__init__(registry, stats, copy_outputs)
+        super().__init__(registry, stats, copy_outputs, debug)
         self.buffers = buffers
         self.context = context
         self.graphs_enabled = graphs_enabled

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
-from .batch import ForwardMode
+from .batch import ForwardMode, debug_enabled
 from .buffers import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
 from .dispatcher import EagerReason, GraphDispatcher
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
@@ -67,6 +67,7 @@ class GraphedCallable:
         warmup_iters: int = 2,
         copy_outputs: bool = False,
         progress: bool = False,
+        debug: Optional[bool] = None,
     ) -> None:
         self.fn = fn
         self.max_batch_size = max_batch_size
@@ -79,7 +80,9 @@ class GraphedCallable:
         self.progress = progress
         self.stats_counters = RuntimeStats()
         self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters)
-        self.dispatcher = GraphDispatcher(self.registry, self.stats_counters, copy_outputs)
+        self.dispatcher = GraphDispatcher(
+            self.registry, self.stats_counters, copy_outputs, debug_enabled() if debug is None else debug
+        )
         self.buffers: Optional[InputBufferManager] = None
         self.positional: List[ArgSpec] = []
         self.keywords: Dict[str, ArgSpec] = {}
