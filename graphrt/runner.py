@@ -73,7 +73,7 @@ class GraphRunner:
         self.registry = GraphRegistry(make_backend(self.backend_name, self.device), warmup_iters)
         self.dispatcher = ReplayDispatcher(
             self.registry, self.buffers, self.stats_counters, self.context, copy_outputs,
-            graphs_enabled=self.backend_name != "eager",
+            graphs_enabled=self.backend_name != "eager", debug=self.debug,
         )
         self.dispatcher.enable_seq_lens_cpu(self.buffers.register_slot(
             "seq_lens_cpu", BufferSpec((max_batch_size,), torch.int32, torch.device("cpu")),
