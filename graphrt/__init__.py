@@ -2,6 +2,7 @@
 
 from .backends import BACKEND_NAMES
 from .batch import ForwardBatch, ForwardMode
+from .buffer_tiers import HierarchicalBufferPool, PredictiveBufferManager, Tier, create_input_buffer_manager
 from .buffers import (
     BufferEntry,
     BufferPool,
@@ -12,36 +13,54 @@ from .buffers import (
     RowAxis,
     SimpleBufferPool,
 )
+from .debug import StaleOutputError
 from .dispatcher import Decision, EagerReason, ReplayDispatcher
 from .graphed_callable import GraphedCallable, wrap
+from .input_batch import BatchBuilder, InputBatch, InputBuffers, KvSlots
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry, GraphStatus
 from .runner import GraphRunner
+from .sampling import SamplingMetadata, sample
 from .sizes import default_capture_sizes
+from .unified import KvCacheHandle, UnifiedBatchItem, build_forward_batch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_NAMES",
+    "BatchBuilder",
     "BufferEntry",
     "BufferPool",
     "BufferSpec",
     "BufferState",
+    "build_forward_batch",
     "CaptureReport",
+    "create_input_buffer_manager",
     "Decision",
+    "default_capture_sizes",
     "EagerReason",
     "ForwardBatch",
     "ForwardMode",
+    "GraphedCallable",
     "GraphEntry",
     "GraphKey",
     "GraphRegistry",
     "GraphRunner",
     "GraphStatus",
-    "GraphedCallable",
+    "HierarchicalBufferPool",
+    "InputBatch",
     "InputBufferManager",
+    "InputBuffers",
     "InputSlot",
+    "KvCacheHandle",
+    "KvSlots",
+    "PredictiveBufferManager",
     "ReplayDispatcher",
     "RowAxis",
+    "sample",
+    "SamplingMetadata",
     "SimpleBufferPool",
-    "default_capture_sizes",
+    "StaleOutputError",
+    "Tier",
+    "UnifiedBatchItem",
     "wrap",
 ]
