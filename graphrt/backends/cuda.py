@@ -74,8 +74,8 @@ class CudaGraphBackend:
 
     def _abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
         """End a capture whose callable raised, so the stream leaves capture mode."""
-        try:
-            graph.capture_end()
-        except RuntimeError as error:
-            logger.debug("capture_end after a failed capture raised: %s", error)
-        torch.cuda.synchronize(self.device)
+        for step in (graph.capture_end, lambda: torch.cuda.synchronize(self.device)):
+            try:
+                step()
+            except RuntimeError as error:  # the capture was already invalidated; keep the first error
+                logger.debug("cleanup after a failed capture raised: %s", error)
