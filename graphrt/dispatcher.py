@@ -37,6 +37,7 @@ class EagerReason(str, enum.Enum):
     UNSUPPORTED_FIELD = "unsupported_field"
     CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
     REPLAY_FAILED = "replay_failed"  # the replay raised; the step re-ran eagerly
+    PEER_EAGER = "peer_eager"  # lockstep: another rank must run this step eagerly, so every rank does
 
 
 STATUS_REASONS = {

@@ -184,6 +184,13 @@ class GraphRegistry:
         entry.result_cache.clear()
         logger.warning("graph %s disabled: %s", key, reason)
 
+    def remove_mode(self, mode: ForwardMode) -> None:
+        """Forget every key of ``mode`` and its lookup tables; dropped graphs free their memory."""
+        for key in [key for key in self.entries if key.mode is mode]:
+            del self.entries[key]
+        self.grids.pop(mode, None)
+        self._by_rows.pop(mode, None)
+
     def ready_keys(self) -> Iterable[GraphKey]:
         return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
 

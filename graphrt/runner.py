@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
@@ -19,9 +20,10 @@ from .backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve
 from .batch import ForwardBatch, ForwardMode, debug_enabled
 from .buffers import BufferSpec, InputBufferManager, RowAxis
 from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, static_batch_for
-from .registry import CaptureReport, GraphEntry, GraphRegistry
-from .sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
-from .stats import RuntimeStats
+from .lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
+from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
+from .sizes import SizeGrid, choose_capture_sizes, default_capture_sizes, normalize_capture_sizes
+from .stats import RuntimeStats, histogram_from, load_histogram, save_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,11 @@ class GraphRunner:
     """Captures ``model(input_ids, positions, forward_batch)`` per padded size and replays it.
 
     ``capture_sizes``: decode batch sizes to capture (default: 1, 2, 4, 8, then multiples of 8
-    up to ``max_batch_size``). ``extend_capture_sizes``: ``(token_sizes, request_sizes)`` for
+    up to ``max_batch_size``), or ``"auto"``: at most ``max_graphs`` (default: as many as the
+    default list) chosen from the traffic histogram (``histogram``: a ``{size: count}`` mapping or
+    a file from ``save_histogram``, merged into the runner's own; see docs/CAPTURE_SIZES.md).
+    ``process_group``: run every step in lockstep with the other ranks (docs/DISTRIBUTED.md).
+    ``extend_capture_sizes``: ``(token_sizes, request_sizes)`` for
     EXTEND/MIXED modes, captured only when the attention backend lists the mode in ``graph_modes``.
     ``batch_context``: the objects every batch shares (``attn_backend``, ``req_to_token_pool``,
     ``token_to_kv_pool``); the graphs are bound to them.
@@ -54,6 +60,9 @@ class GraphRunner:
         extend_capture_sizes: Optional[tuple] = None,
         debug: Optional[bool] = None,
         progress: bool = True,
+        histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None,
+        max_graphs: Optional[int] = None,
+        process_group: Optional[Any] = None,
     ) -> None:
         requested = resolve_backend_name(backend)
         self.device = resolve_device(requested, device)
@@ -64,12 +73,18 @@ class GraphRunner:
         self.debug = debug_enabled() if debug is None else debug
         self.progress = progress
         self.context: Dict[str, Any] = self._check_context(batch_context or {})
-        self.capture_sizes = self._resolve_sizes(capture_sizes)
+        self.stats_counters = RuntimeStats()
+        if histogram is not None:
+            self.stats_counters.merge_histogram(histogram_from(histogram))
+        self.capture_sizes = self._resolve_sizes(capture_sizes, max_graphs)
         self.extend_grid = self._extend_grid(extend_capture_sizes)
+        self.lockstep = Lockstep(process_group, self.device) if process_group is not None else None
+        if self.lockstep is not None:
+            self.capture_sizes = self.lockstep.agree_sizes(self.capture_sizes, self._shape_config())
         max_tokens = max(self.max_batch_size, self.extend_grid.max_tokens if self.extend_grid else 0)
         self.buffers = InputBufferManager(max_batch_size=max_batch_size, max_seq_len=max_tokens, device=self.device)
         self._apply_pad_values(pad_values or {})
-        self.stats_counters = RuntimeStats()
+        self.pad_values = {name: int(self.buffers.get_slot(name).pad_value) for name in DEFAULT_PAD_VALUES}
         self.registry = GraphRegistry(make_backend(self.backend_name, self.device), warmup_iters)
         self.dispatcher = ReplayDispatcher(
             self.registry, self.buffers, self.stats_counters, self.context, copy_outputs,
@@ -81,6 +96,8 @@ class GraphRunner:
         ))
         self._lock = threading.Lock()
         self._register_keys()
+        if self.lockstep is not None:
+            self.lockstep.bind_keys(list(self.registry.entries))
 
     # ---- construction helpers ---------------------------------------------------------------
 
@@ -91,12 +108,28 @@ class GraphRunner:
             raise ValueError(f"batch_context: expected keys among {CONTEXT_FIELDS}, got {sorted(unknown)}")
         return dict(context)
 
-    def _resolve_sizes(self, capture_sizes: Optional[Union[Sequence[int], str]]) -> list:
+    def _resolve_sizes(self, capture_sizes: Optional[Union[Sequence[int], str]], max_graphs: Optional[int]) -> list:
+        if isinstance(capture_sizes, str) and capture_sizes == "auto":
+            return self._sizes_from_traffic(len(default_capture_sizes(self.max_batch_size)) if max_graphs is None
+                                            else max_graphs)
+        if max_graphs is not None:
+            raise ValueError(f"max_graphs: only used with capture_sizes='auto', got capture_sizes={capture_sizes!r}")
         if capture_sizes is None:
             return default_capture_sizes(self.max_batch_size)
         if isinstance(capture_sizes, str):
-            raise ValueError(f"capture_sizes: expected None or a list of ints, got {capture_sizes!r}")
+            raise ValueError(f"capture_sizes: expected None, 'auto' or a list of ints, got {capture_sizes!r}")
         return normalize_capture_sizes(capture_sizes, self.max_batch_size)
+
+    def _sizes_from_traffic(self, max_graphs: int) -> list:
+        """Decode sizes that pad the recorded DECODE traffic least (the default list without history)."""
+        traffic = self.stats_counters.histogram.get(ForwardMode.DECODE, {})
+        sizes = choose_capture_sizes(traffic, max_graphs, self.max_batch_size)
+        logger.info("capture sizes from %d recorded steps: %s", sum(traffic.values()), sizes)
+        return sizes
+
+    def _shape_config(self) -> tuple:
+        """What must be equal on every rank besides the capture sizes for the graph keys to match."""
+        return self.max_batch_size, [mode.name for mode in self.modes], self.extend_grid
 
     def _extend_grid(self, extend_capture_sizes: Optional[tuple]) -> Optional[SizeGrid]:
         if not any(mode.is_extend() for mode in self.modes):
@@ -130,20 +163,19 @@ class GraphRunner:
         return tuple(modes)
 
     def _register_keys(self) -> None:
-        pad_seq_len = int(self.buffers.get_slot("seq_lens").pad_value)
         graph_modes = self._graph_modes()
         if any(mode.is_extend() for mode in graph_modes):
             for name in EXTEND_SLOTS:
                 spec = BufferSpec((self.max_batch_size,), torch.int32, self.device)
                 self.buffers.register_slot(name, spec, axis=RowAxis.REQUESTS, pad_value=0)
             self.dispatcher.enable_extend_slots()
-
-        def make_inputs(key):
-            return static_batch_for(key, self.buffers, self.context, pad_seq_len)
-
         for mode in graph_modes:
             grid = self.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
-            self.registry.add_grid(mode, grid, make_inputs)
+            self.registry.add_grid(mode, grid, self._static_batch)
+
+    def _static_batch(self, key: GraphKey) -> ForwardBatch:
+        """The padded batch a key's graph reads: views of the static input slots."""
+        return static_batch_for(key, self.buffers, self.context, self.pad_values["seq_lens"])
 
     # ---- capture ------------------------------------------------------------------------------
 
@@ -171,10 +203,42 @@ class GraphRunner:
         logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
         return report
 
+    def retune(self, max_graphs: int) -> CaptureReport:
+        """Recapture the decode keys at <= ``max_graphs`` sizes chosen from the traffic seen so far.
+
+        The old decode graphs are dropped before the new ones are captured, so their memory is
+        reused; static inputs stay (same data_ptrs). With a process group every rank must call it
+        (rank 0's sizes win). Extend keys are kept.
+        """
+        modes = [mode for mode in self._graph_modes() if not mode.is_extend()]
+        if not modes:
+            raise ValueError(f"retune: modes has no decode-style mode to retune, got {[m.name for m in self.modes]}")
+        with self._lock:
+            sizes = self._sizes_from_traffic(max_graphs)
+            if self.lockstep is not None:
+                sizes = self.lockstep.agree_sizes(sizes, self._shape_config())
+            self.capture_sizes = sizes
+            for mode in modes:
+                self.registry.remove_mode(mode)
+                self.registry.add_grid(mode, SizeGrid.for_decode(sizes), self._static_batch)
+            if self.lockstep is not None:
+                self.lockstep.bind_keys(list(self.registry.entries))
+        return self.capture()
+
+    def save_histogram(self, path: Union[str, os.PathLike]) -> None:
+        """Write the per-mode batch-size histogram seen so far as JSON (for ``capture_sizes="auto"``)."""
+        save_histogram(self.stats_counters.histogram, path)
+
+    def load_histogram(self, path: Union[str, os.PathLike]) -> None:
+        """Add the counts of a saved histogram to this runner's (``retune`` then uses them)."""
+        self.stats_counters.merge_histogram(load_histogram(path))
+
     # ---- per step -----------------------------------------------------------------------------
 
     def __call__(self, batch: ForwardBatch) -> Any:
         """Run one step: replay the graph that fits, else eager; returns only the real rows."""
+        if self.lockstep is not None:
+            return self._lockstep_call(batch)
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
         with self._lock:
@@ -189,8 +253,60 @@ class GraphRunner:
                 self.dispatcher.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
                 return self._run_eager(batch, EagerReason.REPLAY_FAILED)
 
+    def idle_step(self) -> None:
+        """Lockstep with no work on this rank: run an all-padding step of the agreed size (no-op alone)."""
+        if self.lockstep is not None:
+            self._lockstep_call(None)
+
+    def _lockstep_call(self, batch: Optional[ForwardBatch]) -> Any:
+        """One step at the size every rank agreed on (docs/DISTRIBUTED.md); None for an idle rank.
+
+        A bad batch takes part as an idle step, so the other ranks do not hang, then raises.
+        """
+        error: Optional[Exception] = None
+        with self._lock:
+            try:
+                if batch is not None:
+                    if not isinstance(batch, ForwardBatch):
+                        raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
+                    batch.validate(self.device, self.debug)
+                    if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
+                        raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
+            except (TypeError, ValueError) as caught:
+                error, batch = caught, None
+            if batch is not None and batch.num_tokens == 0:
+                batch = None
+            local_reason = self.dispatcher.decide(batch).reason if batch is not None else None
+            local_reason = local_reason if local_reason in SIZE_INDEPENDENT else None
+            agreed = self.lockstep.agree_step(batch, local_reason is not None, self.registry.entries)
+            result = None if agreed.mode is None else self._agreed_step(agreed, batch, local_reason)
+        if error is not None:
+            raise error
+        return result if batch is not None else None
+
+    def _agreed_step(
+        self, agreed: StepAgreement, batch: Optional[ForwardBatch], local_reason: Optional[EagerReason]
+    ) -> Any:
+        """Replay the agreed key or run eagerly padded to the agreed size; this rank's real rows."""
+        self.stats_counters.record_size(agreed.mode, agreed.num_reqs)
+        work = batch if batch is not None else empty_batch(agreed.mode, self.device)
+        decision = agreed.decide(self.dispatcher, local_reason)
+        if decision.reason is None:
+            try:
+                return self.dispatcher.run_graph(decision.entry, work)
+            except Exception as error:  # cannot redo the step alone: peers already replayed
+                self.dispatcher.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
+                raise
+        self.stats_counters.record_eager(decision.reason.value, work.num_tokens)
+        padded = pad_forward_batch(work, agreed.num_tokens, agreed.num_reqs, self.pad_values)
+        return agreed.real_rows(self._forward_eager(padded), work.num_tokens, work.batch_size)
+
     def _run_eager(self, batch: ForwardBatch, reason: EagerReason) -> Any:
         self.stats_counters.record_eager(reason.value, batch.input_ids.shape[0])
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: ForwardBatch) -> Any:
+        """The model on ``batch`` as given, with the runner's context objects filled in."""
         missing = {name: self.context[name] for name in self.context if getattr(batch, name) is None}
         if missing:
             batch = dataclasses.replace(batch, **missing)
@@ -204,6 +320,7 @@ class GraphRunner:
         """Counters: graph_runs, eager_runs, eager_reasons, real_tokens, padded_tokens, and more."""
         result = self.stats_counters.as_dict()
         result["backend"] = self.backend_name
+        result["capture_sizes"] = list(self.capture_sizes)
         result["key_hits"] = {str(key): entry.hits for key, entry in self.registry.entries.items() if entry.hits}
         result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
         result["failed_keys"] = {

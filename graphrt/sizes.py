@@ -1,9 +1,12 @@
-"""Capture-size policies: the default size list and O(1) padded-size lookup tables."""
+"""Capture-size policies: the default list, O(1) padded-size lookup, and sizes chosen from traffic."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 8
@@ -82,3 +85,111 @@ class SizeGrid:
         else:
             pairs = [(t, r) for t in self.token_sizes for r in self.req_sizes if r <= t]
         return sorted(pairs, reverse=True)
+
+
+# ---- capture sizes from traffic ---------------------------------------------------------------
+
+
+def _observed(histogram: Mapping[int, int], limit: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Sorted observed sizes >= 1 (and <= ``limit``) with positive counts, as int64 arrays."""
+    pairs = []
+    for size, count in histogram.items():
+        if type(size) is not int or size < 0 or type(count) is not int or count < 0:
+            raise ValueError(f"histogram: expected {{size: count}} with non-negative ints, got {size!r}: {count!r}")
+        if size >= 1 and count > 0 and (limit is None or size <= limit):
+            pairs.append((size, count))
+    pairs.sort()
+    return np.array([s for s, _ in pairs], dtype=np.int64), np.array([c for _, c in pairs], dtype=np.int64)
+
+
+def _least_padding_subset(sizes: np.ndarray, counts: np.ndarray, candidates: Sequence[int], k: int) -> List[int]:
+    """Exact DP: the ``k`` candidates (the largest always among them) that pad the traffic least.
+
+    Candidates are sorted and the largest covers every observed size. ``best[i]`` is the least
+    padding of the traffic up to candidate ``i`` with ``i`` the largest chosen; a group of observed
+    sizes in (a_j, a_i] padded to a_i costs ``a_i * count - tokens`` from prefix sums: O(k m^2).
+    """
+    cand = np.asarray(candidates, dtype=np.int64)
+    upto = np.searchsorted(sizes, cand, side="right")  # observed sizes <= each candidate
+    count_prefix = np.concatenate([[0], np.cumsum(counts)])[upto]
+    token_prefix = np.concatenate([[0], np.cumsum(counts * sizes)])[upto]
+    count_before = np.concatenate([[0], count_prefix])  # index 0: nothing chosen below
+    token_before = np.concatenate([[0], token_prefix])
+    # cost[j, i]: padding of the observed sizes in (cand[j-1], cand[i]] (j = 0: from size 1).
+    counts_in = count_prefix[None, :] - count_before[:, None]
+    cost = cand[None, :] * counts_in - (token_prefix[None, :] - token_before[:, None])
+    infeasible = np.arange(len(cand) + 1)[:, None] > np.arange(len(cand))[None, :]
+    inf = np.int64(1) << 61
+    cost[infeasible] = inf
+    best = cost[0].copy()
+    parents = []
+    for _ in range(1, min(k, len(cand))):
+        total = np.concatenate([[inf], best])[:, None] + cost  # row j+1: previous largest is cand[j]
+        parent = total.argmin(axis=0)
+        best = np.minimum(total[parent, np.arange(len(cand))], inf)
+        parents.append(parent)
+    chosen, i = [], len(cand) - 1
+    for parent in reversed(parents):
+        chosen.append(int(cand[i]))
+        i = int(parent[i]) - 1
+    chosen.append(int(cand[i]))
+    return sorted(chosen)
+
+
+def fallback_capture_sizes(max_batch_size: int, max_graphs: int) -> List[int]:
+    """Sizes without traffic history: ``default_capture_sizes``, compressed to ``max_graphs``.
+
+    When the default list is longer, keep the ``max_graphs`` of its sizes that pad least if every
+    size in 1..max_batch_size were equally likely; ``max_batch_size`` is always kept.
+    """
+    _check_max_graphs(max_graphs)
+    sizes = default_capture_sizes(max_batch_size)
+    if len(sizes) <= max_graphs:
+        return sizes
+    uniform = np.arange(1, max_batch_size + 1, dtype=np.int64)
+    return _least_padding_subset(uniform, np.ones_like(uniform), sizes, max_graphs)
+
+
+def choose_capture_sizes(
+    histogram: Mapping[int, int], max_graphs: int, max_batch_size: Optional[int] = None
+) -> List[int]:
+    """At most ``max_graphs`` sizes minimizing the padded tokens of ``histogram`` ({size: steps}), exactly.
+
+    Only observed sizes are candidates (any other choice can move down to one at no cost), and
+    the largest observed size is always chosen, so every observed step fits a graph. Sizes above
+    ``max_batch_size`` are ignored (they run eagerly whatever the list); size 0 carries no tokens.
+    With no usable history, ``fallback_capture_sizes(max_batch_size, max_graphs)``.
+    """
+    _check_max_graphs(max_graphs)
+    sizes, counts = _observed(histogram, max_batch_size)
+    if not len(sizes):
+        if max_batch_size is None:
+            raise ValueError("histogram: no observed size >= 1, and no max_batch_size for the default list")
+        return fallback_capture_sizes(max_batch_size, max_graphs)
+    return _least_padding_subset(sizes, counts, sizes.tolist(), max_graphs)
+
+
+def padding_waste(histogram: Mapping[int, int], sizes: Sequence[int]) -> float:
+    """Padded tokens per real token (0.05 = 5 %) when each step replays the smallest size that fits.
+
+    Steps larger than ``max(sizes)`` run eagerly with no padding: they are left out of both sums
+    (count them with ``uncovered_steps``). 0.0 when no step fits a graph.
+    """
+    sizes = normalize_capture_sizes(sizes, sys.maxsize, "sizes")
+    observed, counts = _observed(histogram, sizes[-1])
+    if not len(observed):
+        return 0.0
+    table = np.array(build_pad_table(sizes), dtype=np.int64)
+    real = int((observed * counts).sum())
+    return int(((table[observed] - observed) * counts).sum()) / real
+
+
+def uncovered_steps(histogram: Mapping[int, int], sizes: Sequence[int]) -> int:
+    """Steps of ``histogram`` larger than every size in ``sizes``: they run eagerly."""
+    largest = normalize_capture_sizes(sizes, sys.maxsize, "sizes")[-1]
+    return sum(count for size, count in histogram.items() if size > largest)
+
+
+def _check_max_graphs(max_graphs: int) -> None:
+    if type(max_graphs) is not int or max_graphs < 1:
+        raise ValueError(f"max_graphs: expected a positive int, got {max_graphs!r}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Union
 
 from .batch import ForwardMode
 
@@ -36,6 +38,11 @@ class RuntimeStats:
         """Add one observation of a real batch size to the per-mode traffic histogram."""
         self.histogram[mode][batch_size] += 1
 
+    def merge_histogram(self, histogram: Mapping[ForwardMode, Mapping[int, int]]) -> None:
+        """Add per-mode counts (e.g. from ``load_histogram``) to the traffic histogram."""
+        for mode, counts in histogram.items():
+            self.histogram[mode].update(counts)
+
     def as_dict(self) -> Dict[str, Any]:
         """A JSON-friendly snapshot (keys as strings)."""
         total = self.real_tokens + self.padded_tokens
@@ -50,3 +57,71 @@ class RuntimeStats:
                 ForwardMode(mode).name: dict(sorted(counts.items())) for mode, counts in self.histogram.items()
             },
         }
+
+
+HISTOGRAM_VERSION = 1
+Histogram = Dict[ForwardMode, Counter]
+
+
+def parse_histogram(data: Mapping[Any, Any]) -> Histogram:
+    """Per-mode counts from ``{size: count}`` (DECODE) or ``{mode name: {size: count}}``.
+
+    Sizes may be strings of ints (as JSON writes them); ValueError names the bad entry.
+    """
+    if data and all(isinstance(value, Mapping) for value in data.values()):
+        per_mode = data
+    else:
+        per_mode = {ForwardMode.DECODE: data}
+    result: Histogram = {}
+    for mode, counts in per_mode.items():
+        try:
+            forward_mode = ForwardMode[mode] if isinstance(mode, str) else ForwardMode(mode)
+        except (KeyError, ValueError):
+            names = [member.name for member in ForwardMode]
+            raise ValueError(f"histogram: expected mode names among {names}, got {mode!r}") from None
+        parsed = Counter()
+        for size, count in counts.items():
+            try:
+                size_int = int(size)
+            except (TypeError, ValueError):
+                size_int = -1
+            if size_int < 0 or type(count) is not int or count < 0:
+                raise ValueError(f"histogram[{forward_mode.name}]: expected non-negative int sizes and counts, "
+                                 f"got {size!r}: {count!r}")
+            parsed[size_int] += count
+        result[forward_mode] = parsed
+    return result
+
+
+def save_histogram(histogram: Mapping[int, Mapping[int, int]], path: Union[str, os.PathLike]) -> None:
+    """Write per-mode counts as JSON, atomically (a reader never sees a half-written file)."""
+    payload = {
+        "version": HISTOGRAM_VERSION,
+        "histogram": {ForwardMode(mode).name: {str(size): count for size, count in sorted(counts.items())}
+                      for mode, counts in histogram.items()},
+    }
+    temporary = f"{os.fspath(path)}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump(payload, handle, indent=1)
+    os.replace(temporary, path)
+
+
+def load_histogram(path: Union[str, os.PathLike]) -> Histogram:
+    """Read a file written by ``save_histogram``; ValueError names the file if it is not one."""
+    with open(path) as handle:
+        try:
+            payload = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"histogram: {os.fspath(path)} is not JSON ({error})") from None
+    if not isinstance(payload, dict) or payload.get("version") != HISTOGRAM_VERSION or "histogram" not in payload:
+        raise ValueError(f"histogram: {os.fspath(path)} is not a graphrt histogram file (version {HISTOGRAM_VERSION})")
+    return parse_histogram(payload["histogram"])
+
+
+def histogram_from(source: Union[Mapping[Any, Any], str, os.PathLike]) -> Histogram:
+    """Per-mode counts from a mapping (see ``parse_histogram``) or a file from ``save_histogram``."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_histogram(source)
+    if isinstance(source, Mapping):
+        return parse_histogram(source)
+    raise TypeError(f"histogram: expected a {{size: count}} mapping or a JSON file path, got {type(source).__name__}")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphrt import ForwardBatch, ForwardMode
+from graphrt.lockstep import pad_forward_batch
 
 SCRATCH_SLOT = 0
 CUDA_AVAILABLE = torch.cuda.is_available()
@@ -66,21 +67,8 @@ def decode_batch(batch_size: int, device: str = "cpu", seed: int = 0, **override
 def pad_batch(batch: ForwardBatch, padded: int, scratch: int = SCRATCH_SLOT) -> ForwardBatch:
     """The same batch padded eagerly the way the runner pads (ids/positions 0, seq_lens 1,
     out_cache_loc the scratch slot, req_pool_indices the dummy request 0)."""
-    extra = padded - batch.batch_size
-
-    def pad(tensor, value):
-        return torch.cat([tensor, torch.full((extra,), value, dtype=tensor.dtype, device=tensor.device)])
-
-    return ForwardBatch(
-        forward_mode=batch.forward_mode,
-        batch_size=padded,
-        input_ids=pad(batch.input_ids, 0),
-        req_pool_indices=pad(batch.req_pool_indices, 0),
-        seq_lens=pad(batch.seq_lens, 1),
-        out_cache_loc=pad(batch.out_cache_loc, scratch),
-        seq_lens_sum=batch.seq_lens_sum + extra,
-        positions=pad(batch.positions, 0),
-    )
+    pad_values = {"input_ids": 0, "positions": 0, "seq_lens": 1, "out_cache_loc": scratch, "req_pool_indices": 0}
+    return pad_forward_batch(batch, padded, padded, pad_values)
 
 
 def static_checksums(runner) -> dict:

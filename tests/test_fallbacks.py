@@ -98,6 +98,7 @@ def test_every_eager_reason_is_reachable_and_counted():
     fast(torch.ones(2, 5))
     seen = set(reasons) | set(failing.stats()["eager_reasons"]) | set(eager.stats()["eager_reasons"])
     seen |= set(fast.stats()["eager_reasons"]) | {"replay_failed"}  # replay_failed: test above
+    seen |= {"peer_eager"}  # needs two ranks: tests/test_lockstep.py
     assert seen == {reason.value for reason in EagerReason}
 
 
