@@ -21,6 +21,9 @@ from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry, GraphS
 from .runner import GraphRunner
 from .sampling import SamplingMetadata, sample
 from .sizes import default_capture_sizes
+from .lockstep import pad_forward_batch
+from .sizes import choose_capture_sizes, padding_waste
+from .ubatch import DynamicUBatchWrapper, UBatchConfig, UBatchWrapper
 from .unified import KvCacheHandle, UnifiedBatchItem, build_forward_batch
 
 __version__ = "0.1.0"
@@ -34,9 +37,11 @@ __all__ = [
     "BufferState",
     "build_forward_batch",
     "CaptureReport",
+    "choose_capture_sizes",
     "create_input_buffer_manager",
     "Decision",
     "default_capture_sizes",
+    "DynamicUBatchWrapper",
     "EagerReason",
     "ForwardBatch",
     "ForwardMode",
@@ -53,6 +58,8 @@ __all__ = [
     "InputSlot",
     "KvCacheHandle",
     "KvSlots",
+    "pad_forward_batch",
+    "padding_waste",
     "PredictiveBufferManager",
     "ReplayDispatcher",
     "RowAxis",
@@ -61,6 +68,8 @@ __all__ = [
     "SimpleBufferPool",
     "StaleOutputError",
     "Tier",
+    "UBatchConfig",
+    "UBatchWrapper",
     "UnifiedBatchItem",
     "wrap",
 ]

@@ -24,6 +24,7 @@ from .lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pa
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
 from .sizes import SizeGrid, choose_capture_sizes, default_capture_sizes, normalize_capture_sizes
 from .stats import RuntimeStats, histogram_from, load_histogram, save_histogram
+from .ubatch import UBatchConfig, UBatchWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class GraphRunner:
     ``process_group``: run every step in lockstep with the other ranks (docs/DISTRIBUTED.md).
     ``extend_capture_sizes``: ``(token_sizes, request_sizes)`` for
     EXTEND/MIXED modes, captured only when the attention backend lists the mode in ``graph_modes``.
+    ``ubatch``: a ``UBatchConfig`` to split DECODE batches above the largest capture size into
+    micro-batches that replay captured graphs (merged in order) instead of running eagerly.
     ``batch_context``: the objects every batch shares (``attn_backend``, ``req_to_token_pool``,
     ``token_to_kv_pool``); the graphs are bound to them.
     """
@@ -63,6 +66,7 @@ class GraphRunner:
         histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None,
         max_graphs: Optional[int] = None,
         process_group: Optional[Any] = None,
+        ubatch: Optional[UBatchConfig] = None,
     ) -> None:
         requested = resolve_backend_name(backend)
         self.device = resolve_device(requested, device)
@@ -96,6 +100,7 @@ class GraphRunner:
         ))
         self._lock = threading.Lock()
         self._register_keys()
+        self._ubatch = self._make_ubatch(ubatch)
         if self.lockstep is not None:
             self.lockstep.bind_keys(list(self.registry.entries))
 
@@ -218,6 +223,8 @@ class GraphRunner:
             if self.lockstep is not None:
                 sizes = self.lockstep.agree_sizes(sizes, self._shape_config())
             self.capture_sizes = sizes
+            if self._ubatch is not None:
+                self._ubatch = self._make_ubatch(self._ubatch.config)
             for mode in modes:
                 self.registry.remove_mode(mode)
                 self.registry.add_grid(mode, SizeGrid.for_decode(sizes), self._static_batch)
@@ -244,14 +251,33 @@ class GraphRunner:
         with self._lock:
             batch.validate(self.device, self.debug)
             self.stats_counters.record_size(batch.forward_mode, batch.batch_size)
-            decision = self.dispatcher.decide(batch)
-            if decision.reason is not None:
-                return self._run_eager(batch, decision.reason)
-            try:
-                return self.dispatcher.run_graph(decision.entry, batch)
-            except Exception as error:  # a replay that raises: disable the key, redo the step eagerly
-                self.dispatcher.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
-                return self._run_eager(batch, EagerReason.REPLAY_FAILED)
+            if self._ubatch is not None and batch.forward_mode is ForwardMode.DECODE and (
+                batch.batch_size > self.capture_sizes[-1]
+            ):
+                return self._ubatch(batch)
+            return self._run_one(batch)
+
+    def _run_one(self, batch: ForwardBatch) -> Any:
+        """Graph or eager for one validated batch (a whole step, or one micro-batch of it)."""
+        decision = self.dispatcher.decide(batch)
+        if decision.reason is not None:
+            return self._run_eager(batch, decision.reason)
+        try:
+            return self.dispatcher.run_graph(decision.entry, batch)
+        except Exception as error:  # a replay that raises: disable the key, redo the step eagerly
+            self.dispatcher.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
+            return self._run_eager(batch, EagerReason.REPLAY_FAILED)
+
+    def _make_ubatch(self, config: Optional[UBatchConfig]) -> Optional[UBatchWrapper]:
+        """Split decode batches above the largest capture size into graph-hitting micro-batches."""
+        if config is None:
+            return None
+        if not isinstance(config, UBatchConfig):
+            raise TypeError(f"ubatch: expected a UBatchConfig, got {type(config).__name__}")
+        if config.threaded:
+            raise ValueError("ubatch.threaded: expected False: one runner's graphs share static buffers, "
+                             "so its micro-batches must replay one after another")
+        return UBatchWrapper(self._run_one, dataclasses.replace(config, capture_sizes=self.capture_sizes))
 
     def idle_step(self) -> None:
         """Lockstep with no work on this rank: run an all-padding step of the agreed size (no-op alone)."""
