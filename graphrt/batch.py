@@ -142,23 +142,23 @@ class ForwardBatch:
                 f"got {list(input_ids.shape)}"
             )
         check_values = debug_enabled() if debug is None else debug
-        readable = []
+        shapes = {True: (num_tokens,), False: (self.batch_size,)}
+        present = []
         for spec in EXTEND_SPECS if extend else DECODE_SPECS:
             tensor = getattr(self, spec.name)
-            rows = num_tokens if spec.per_token else self.batch_size
             if tensor is None:
                 if spec.name == "positions":
                     continue
                 raise ValueError(f"{spec.name}: required field is missing (None) for {mode.name} batches")
+            shape = shapes[spec.per_token]
             if (
                 not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes
-                or tensor.dim() != 1 or tensor.shape[0] != rows or tensor.device != device
+                or tensor.shape != shape or tensor.device != device
             ):
-                check_tensor(spec, tensor, rows, device)
-            if check_values or tensor.is_cpu:
-                readable.append(tensor)
-        if readable:
-            check_non_negative(self, readable)
+                check_tensor(spec, tensor, shape[0], device)
+            present.append(tensor)
+        if check_values or device.type == "cpu":  # every staged tensor is on `device` by now
+            check_non_negative(self, present)
         if extend:
             self._validate_extend(num_tokens)
         self._validate_seq_lens_sum(check_values)
