@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-from tqdm.auto import tqdm
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
+    tqdm = None
 
 from .backends.base import CapturedGraph, GraphBackend
 from .batch import ForwardMode
@@ -154,7 +157,9 @@ class GraphRegistry:
             reverse=True,
         )
         with self.backend.capture_session():
-            for entry in tqdm(pending, desc=f"capturing {self.backend.name} graphs", disable=not progress):
+            if progress and tqdm is not None:
+                pending = tqdm(pending, desc=f"capturing {self.backend.name} graphs")
+            for entry in pending:
                 report.keys.append(self._capture_one(entry, make_callable, before_capture))
         return report
 

@@ -1,0 +1,278 @@
+"""Eager vs graph decode latency of graphrt's reference model, per batch size: table, JSON, PNG.
+
+    PYTHONPATH=. python3 scripts/bench.py                      # small model on CPU, realistic on CUDA
+    PYTHONPATH=. python3 scripts/bench.py --model tiny --quick  # under a minute on a 2-core CPU
+
+For each batch size: eager step (run_eager), GraphRunner(...)(batch), raw replay of the same
+graph (no staging), the runtime's overhead (runner - raw replay) in units of one trivial eager
+op, batch.validate() alone and the attention replay hook alone; then greedy-generation
+throughput eager vs runner, capture time and graph pool memory. Every graph is checked against
+eager before it is timed. Without CUDA the backend is emulated and the graph column measures
+graphrt's overhead, not a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import random
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from bench_lib import (
+    PRESETS, BatchResult, Clock, Spread, Workload, measure_batch, measure_throughput, model_config, one_op_model,
+    parameter_count,
+)
+from bench_peer import compiled_step, warm_compiled
+from bench_report import (
+    BACKEND_NOTES, OVERHEAD_TARGET, POOL_LABELS, format_report, machine_info, plot_latency, write_json,
+)
+from graphrt import GraphRunner
+from graphrt.registry import CaptureReport
+from graphrt.reference import graph_runner_kwargs
+
+logger = logging.getLogger("bench")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_OVERRIDES = {  # flag -> ReferenceConfig field
+    "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+    "intermediate": "intermediate_size", "vocab": "vocab_size", "context": "max_context_len",
+}
+
+
+@dataclasses.dataclass
+class Settings:
+    """Every resolved setting of one run (recorded in the JSON)."""
+
+    model: str
+    overrides: Dict[str, Optional[int]]
+    dtype: torch.dtype
+    device: torch.device
+    backend: str
+    batch_sizes: List[int]
+    iters: int
+    warmup: int
+    sample_ms: float
+    prompts: int
+    new_tokens: int
+    repeats: int
+    compile: bool
+    plot: bool
+    quick: bool
+    seed: int
+    threads: Optional[int]
+    out: Path
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    """The command line; defaults that depend on --quick or the device stay None here."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("auto", *PRESETS), default="auto",
+                        help="model preset (auto: realistic on CUDA, small otherwise)")
+    for flag in MODEL_OVERRIDES:
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the preset's {MODEL_OVERRIDES[flag]}")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated decode batch sizes")
+    parser.add_argument("--iters", type=int, help="timed samples per batch size (default 50, --quick 5)")
+    parser.add_argument("--warmup", type=int, help="discarded warm-up samples per batch size (default 3, --quick 1)")
+    parser.add_argument("--sample-ms", type=float, help="target length of one sample, ms (default 5, --quick 1)")
+    parser.add_argument("--prompts", type=int, help="prompts for the throughput run (default 8, --quick 4)")
+    parser.add_argument("--new-tokens", type=int, help="tokens generated per prompt (default 32, --quick 8)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the JSON and PNG")
+    parser.add_argument("--backend", choices=("auto", "cuda", "emulated"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="fewer samples and tokens: under a minute on a 2-core CPU")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (GPU only anyway)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--threads", type=int,
+                        help="torch intra-op threads (default on CPU: 1, steady on a shared machine; on CUDA: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> Settings:
+    """Fill the defaults that depend on --quick and on the device; reject impossible combinations."""
+    cuda = torch.cuda.is_available()
+    if "cuda" in (args.backend, args.device) and not cuda:
+        raise SystemExit("--backend/--device cuda: torch.cuda.is_available() is False on this machine")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and cuda) else "cpu")
+    if args.backend == "cuda" and device.type != "cuda":
+        raise SystemExit("--backend cuda needs --device cuda (or auto)")
+    try:
+        batch_sizes = sorted({int(size) for size in args.batch_sizes.split(",")})
+    except ValueError:
+        raise SystemExit(f"--batch-sizes: expected comma-separated ints, got {args.batch_sizes!r}") from None
+    if batch_sizes[0] < 1:
+        raise SystemExit(f"--batch-sizes: expected sizes >= 1, got {batch_sizes}")
+    for flag, least in (("iters", 1), ("warmup", 0), ("prompts", 1), ("new_tokens", 1), ("threads", 1)):
+        if getattr(args, flag) is not None and getattr(args, flag) < least:
+            raise SystemExit(f"--{flag.replace('_', '-')}: expected >= {least}, got {getattr(args, flag)}")
+    threads = args.threads if args.threads is not None or device.type == "cuda" else 1
+
+    def pick(value: Any, default: Any, quick: Any) -> Any:
+        return value if value is not None else (quick if args.quick else default)
+
+    return Settings(
+        model=args.model if args.model != "auto" else ("realistic" if device.type == "cuda" else "small"),
+        overrides={field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()},
+        dtype=DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32),
+        device=device,
+        backend=args.backend,
+        batch_sizes=batch_sizes,
+        iters=pick(args.iters, 50, 5),
+        warmup=pick(args.warmup, 3, 1),
+        sample_ms=pick(args.sample_ms, 5.0, 1.0),
+        prompts=pick(args.prompts, 8, 4),
+        new_tokens=pick(args.new_tokens, 32, 8),
+        repeats=1 if args.quick else 3,
+        compile=not args.no_compile and device.type == "cuda",
+        plot=not args.no_plot,
+        quick=args.quick,
+        seed=args.seed,
+        threads=threads,
+        out=args.out,
+    )
+
+
+@contextmanager
+def progress(total: int, desc: str) -> Iterator[Callable[[], None]]:
+    """A tqdm bar's ``update`` when tqdm is installed, else a no-op."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        yield lambda: None
+        return
+    with tqdm(total=total, desc=desc) as bar:
+        yield bar.update
+
+
+def capture_summary(report: CaptureReport, backend: str) -> Dict[str, Any]:
+    """Capture time and memory, summed over keys, with what the memory figure means on this backend."""
+    return {
+        "keys": len(report.ok),
+        "seconds": report.seconds,
+        "pool_bytes": report.pool_bytes,
+        "pool_bytes_label": POOL_LABELS.get(backend, "bytes"),
+        "failed": {str(key): reason for key, reason in report.failed.items()},
+        "per_key": [{"key": str(k.key), "seconds": k.seconds, "pool_bytes": k.pool_bytes} for k in report.keys],
+    }
+
+
+def build_runners(settings: Settings, work: Workload, max_batch_size: int
+                  ) -> Tuple[GraphRunner, GraphRunner, CaptureReport]:
+    """The reference model's runner (captured, with its report) and a captured runner of a one-op model."""
+    runner_kwargs = graph_runner_kwargs(work.backend, work.pools)
+    runner = GraphRunner(
+        work.model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device, **runner_kwargs
+    )
+    report = runner.capture()
+    if report.failed:
+        raise SystemExit(f"capture failed, nothing to benchmark:\n{report}")
+    one_op = GraphRunner(
+        one_op_model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device,
+        pad_values=runner_kwargs["pad_values"], progress=False,
+    )
+    one_op.capture()
+    return runner, one_op, report
+
+
+def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op: GraphRunner,
+                 rng: random.Random) -> Tuple[List[BatchResult], Dict[str, Any]]:
+    """Verify and time every batch size (with the torch.compile peer where enabled)."""
+    compile_info: Dict[str, Any] = {"enabled": settings.compile, "skipped": None, "per_batch": {}}
+    if not settings.compile:
+        compile_info["skipped"] = "--no-compile" if settings.device.type == "cuda" else "CPU run (GPU-only peer)"
+    step = compiled_step(work.model) if settings.compile else None
+    clock = Clock(settings.device, settings.sample_ms / 1e3)
+    results: List[BatchResult] = []
+    rounds = len(settings.batch_sizes) * (settings.warmup + settings.iters)
+    with progress(rounds, "timing decode steps") as on_round:
+        for batch_size in settings.batch_sizes:
+            with work.decode_batch(batch_size, rng) as batch:
+                peer = None
+                if step is not None:
+                    try:
+                        warm = warm_compiled(step, work, batch, clock)
+                        compile_info["per_batch"][batch_size], peer = dataclasses.asdict(warm), step
+                    except Exception as error:  # the peer is optional: record why and go on without it
+                        compile_info["per_batch"][batch_size] = {"error": f"{type(error).__name__}: {error}"}
+                        logger.warning("torch.compile peer failed at batch size %d: %s", batch_size, error)
+                results.append(measure_batch(
+                    work, runner, one_op, batch, clock, settings.iters, settings.warmup, peer, on_round
+                ))
+    return results, compile_info
+
+
+def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[BatchResult]]:
+    """Build, capture, verify and time everything; returns the JSON document and the per-size results."""
+    torch.manual_seed(settings.seed)
+    rng = random.Random(settings.seed)
+    machine = machine_info(settings.device)
+    config = model_config(settings.model, settings.dtype, settings.overrides)
+    max_batch_size = max(settings.batch_sizes[-1], settings.prompts)
+    work = Workload.build(config, max_batch_size, settings.device)
+    runner, one_op, report = build_runners(settings, work, max_batch_size)
+    with torch.no_grad():
+        results, compile_info = time_batches(settings, work, runner, one_op, rng)
+        prompts = work.prompts(settings.prompts, settings.new_tokens, rng)
+        throughput = measure_throughput(work, runner, prompts, settings.new_tokens, settings.repeats)
+    backend = runner.backend_name
+    doc = {
+        "benchmark": "graphrt decode step: eager vs GraphRunner vs raw replay",
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": ["scripts/bench.py", *argv],
+        "settings": dataclasses.asdict(settings),
+        "machine": {**machine, "load_average_end": list(os.getloadavg())},
+        "backend": backend,
+        "emulated": backend == "emulated",
+        "backend_note": BACKEND_NOTES.get(backend, backend),
+        "model": {"preset": settings.model, "config": dataclasses.asdict(config), "parameters": parameter_count(work.model)},
+        "trivial_op_us": dataclasses.asdict(Spread.of([r.times_us["trivial"].median for r in results])),
+        "overhead_target_trivial_ops": OVERHEAD_TARGET,
+        "overhead_within_target": all(r.overhead_trivial_ops.median <= OVERHEAD_TARGET for r in results),
+        "verified": all(r.verification.ok for r in results),
+        "capture": capture_summary(report, backend),
+        "batches": [dataclasses.asdict(result) for result in results],
+        "throughput": {
+            **dataclasses.asdict(throughput),
+            "eager_tokens_per_s": throughput.eager_tokens_per_s,
+            "graph_tokens_per_s": throughput.graph_tokens_per_s,
+        },
+        "compile": compile_info,
+        "runner_stats": runner.stats(),
+    }
+    return doc, results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the benchmark, print the report, write ``<out>/bench_<device>_<model>.json`` and ``.png``."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    settings = resolve(parse_args(argv))
+    settings.out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        doc, results = run(settings, argv)
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
+    print(format_report(doc, results))
+    stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
+    if settings.plot:
+        why_not = plot_latency(doc, results, stem.with_suffix(".png"))
+        print(f"plot: skipped, {why_not}" if why_not else f"plot: {stem.with_suffix('.png')}")
+    write_json(doc, stem.with_suffix(".json"))
+    print(f"json: {stem.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

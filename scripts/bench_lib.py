@@ -1,0 +1,355 @@
+"""Measurement core of scripts/bench.py: model setup, decode batches, verification, timed samples.
+
+Every figure is a sample of ``inner`` back-to-back calls, after one untimed call, bracketed by a
+device synchronization and divided by ``inner`` (so timer resolution and launch queueing do
+not distort short calls); samples of the callables of one batch size are taken in
+interleaved rounds, so slow drifts of machine load hit every column alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from graphrt import ForwardBatch, GraphRunner
+from graphrt.dispatcher import CONTEXT_FIELDS
+from graphrt.reference import (
+    CachePools,
+    ReferenceConfig,
+    ReferenceDecoder,
+    build_reference,
+    generate_greedy,
+    make_decode_batch,
+    run_eager,
+)
+
+# Model presets; ``realistic`` keeps the 16-layer, hidden-1024 shape of ReferenceConfig.realistic()
+# with a shorter context, since the torch-native attention gathers
+# [tokens, max_context_len, kv_heads, head_dim] per layer.
+PRESETS: Dict[str, Callable[..., ReferenceConfig]] = {
+    "tiny": ReferenceConfig.tiny,
+    "small": functools.partial(
+        ReferenceConfig, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=704,
+        vocab_size=4096, max_context_len=256,
+    ),
+    "realistic": functools.partial(ReferenceConfig.realistic, max_context_len=512),
+}
+STAGED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+TOLERANCE = {torch.float32: 1e-4}  # atol = rtol for graph vs eager logits; 2e-2 for 16-bit types
+
+
+@dataclass
+class Spread:
+    """Median and 10th/90th percentiles of a list of samples (microseconds unless noted)."""
+
+    median: float
+    p10: float
+    p90: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Spread":
+        """Summarize ``samples`` (at least one)."""
+        p10, median, p90 = np.percentile(np.asarray(samples, dtype=np.float64), [10, 50, 90])
+        return cls(float(median), float(p10), float(p90))
+
+    def scaled(self, factor: float) -> "Spread":
+        """The same spread multiplied by ``factor`` (e.g. divided by a unit cost)."""
+        return Spread(self.median * factor, self.p10 * factor, self.p90 * factor)
+
+
+def model_config(preset: str, dtype: torch.dtype, overrides: Dict[str, Optional[int]]) -> ReferenceConfig:
+    """The preset's shape with the ``overrides`` that are not None, in ``dtype``."""
+    return PRESETS[preset](dtype=dtype, **{name: value for name, value in overrides.items() if value is not None})
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Number of parameters of ``model``."""
+    return sum(param.numel() for param in model.parameters())
+
+
+@dataclass
+class Workload:
+    """The reference model wired to its attention backend and paged KV cache on one device."""
+
+    config: ReferenceConfig
+    model: ReferenceDecoder
+    backend: Any
+    pools: CachePools
+    device: torch.device
+
+    @classmethod
+    def build(cls, config: ReferenceConfig, max_requests: int, device: torch.device) -> "Workload":
+        """Model, backend and pools for ``max_requests`` live requests; the KV cache holds random values."""
+        model, backend, pools = build_reference(config, num_requests=max_requests + 1, device=device)
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+        for buffer in (*pools.kv.k_buffers, *pools.kv.v_buffers):
+            buffer.normal_(generator=generator)
+        return cls(config, model, backend, pools, device)
+
+    @contextmanager
+    def decode_batch(self, batch_size: int, rng: random.Random) -> Iterator[ForwardBatch]:
+        """A DECODE batch of ``batch_size`` requests with cached contexts of 1/4 to 1/2 of the
+        maximum context; its requests and KV slots are released on exit."""
+        context = self.config.max_context_len
+        pools = self.pools
+        reqs = [pools.req_to_token.alloc() for _ in range(batch_size)]
+        lens = [rng.randint(max(2, context // 4), max(2, context // 2)) for _ in reqs]
+        pools.assign(reqs, [0] * batch_size, [n - 1 for n in lens])
+        out_cache_loc = pools.assign(reqs, [n - 1 for n in lens], [1] * batch_size)
+        input_ids = [rng.randrange(self.config.vocab_size) for _ in reqs]
+        try:
+            yield make_decode_batch(
+                input_ids, reqs, lens, out_cache_loc, self.device, pools=pools, attn_backend=self.backend
+            )
+        finally:
+            for req, seq_len in zip(reqs, lens):
+                pools.release(req, seq_len)
+
+    def prompts(self, count: int, new_tokens: int, rng: random.Random) -> List[List[int]]:
+        """``count`` random prompts of 4 to 32 tokens that leave room for ``new_tokens``."""
+        longest = max(1, min(32, self.config.max_context_len - new_tokens))
+        return [
+            [rng.randrange(self.config.vocab_size) for _ in range(rng.randint(min(4, longest), longest))]
+            for _ in range(count)
+        ]
+
+
+class Clock:
+    """Times a callable in samples of many calls, bracketed by device synchronization."""
+
+    def __init__(self, device: torch.device, target_s: float, max_inner: int = 10_000) -> None:
+        self.sync: Callable[[], None] = (
+            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        )
+        self.target_s = target_s
+        self.max_inner = max_inner
+
+    def _elapsed(self, fn: Callable[[], Any], calls: int) -> float:
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        self.sync()
+        return time.perf_counter() - start
+
+    def calibrate(self, fn: Callable[[], Any]) -> int:
+        """Calls per sample so that one sample lasts about ``target_s`` (doubles as warm-up)."""
+        calls = 1
+        while True:
+            elapsed = self._elapsed(fn, calls)
+            if elapsed >= self.target_s / 4 or calls >= self.max_inner:
+                break
+            calls *= 2
+        return max(1, min(self.max_inner, round(calls * self.target_s / max(elapsed, 1e-9))))
+
+    def sample_us(self, fn: Callable[[], Any], calls: int) -> float:
+        """Microseconds per call over one sample of ``calls`` calls, after one untimed call, so every
+        probe is timed warm whatever ran before it."""
+        fn()
+        return self._elapsed(fn, calls) / calls * 1e6
+
+
+def time_rounds(
+    clock: Clock,
+    probes: Sequence[Tuple[str, Callable[[], Any]]],
+    iters: int,
+    warmup: int,
+    on_round: Callable[[], None] = lambda: None,
+) -> Tuple[Dict[str, int], Dict[str, List[float]]]:
+    """Calls per sample and ``iters`` samples (µs per call) per probe, in interleaved rounds run
+    in ``probes`` order; the first ``warmup`` rounds are discarded."""
+    inner = {name: clock.calibrate(fn) for name, fn in probes}
+    samples: Dict[str, List[float]] = {name: [] for name, _ in probes}
+    for round_index in range(warmup + iters):
+        for name, fn in probes:
+            value = clock.sample_us(fn, inner[name])
+            if round_index >= warmup:
+                samples[name].append(value)
+        on_round()
+    return inner, samples
+
+
+@dataclass
+class Verification:
+    """Graph logits of the real rows against eager logits of the same batch padded like the runner pads it."""
+
+    padded_size: int
+    max_abs_diff: float
+    bitwise_equal: bool
+    tolerance: float
+    max_abs_diff_unpadded: float  # against eager at the real size (other GEMM shapes: informative only)
+    ok: bool
+
+
+def pad_decode_batch(batch: ForwardBatch, padded: int, pad_values: Dict[str, int]) -> ForwardBatch:
+    """``batch`` with ``padded - batch_size`` padding requests, filled with the runner's pad values."""
+    extra = padded - batch.batch_size
+
+    def extend(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat((tensor, torch.full((extra,), value, dtype=tensor.dtype, device=tensor.device)))
+
+    fields = {name: extend(getattr(batch, name), pad_values[name]) for name in STAGED_FIELDS}
+    return dataclasses.replace(
+        batch, batch_size=padded, seq_lens_sum=batch.seq_lens_sum + extra * pad_values["seq_lens"],
+        seq_lens_cpu=extend(batch.seq_lens_cpu, pad_values["seq_lens"]), **fields,
+    )
+
+
+def verify_graph(work: Workload, runner: GraphRunner, batch: ForwardBatch, padded: int) -> Verification:
+    """Run ``batch`` through the runner and eagerly (padded and unpadded) and compare the logits."""
+    pad_values = {name: int(runner.buffers.get_slot(name).pad_value) for name in STAGED_FIELDS}
+    graph = runner(batch).clone()
+    eager_padded = run_eager(work.model, pad_decode_batch(batch, padded, pad_values))[: batch.batch_size]
+    eager = run_eager(work.model, batch)
+    tolerance = TOLERANCE.get(work.config.dtype, 2e-2)
+    return Verification(
+        padded_size=padded,
+        max_abs_diff=float((graph - eager_padded).abs().max()),
+        bitwise_equal=bool(torch.equal(graph, eager_padded)),
+        tolerance=tolerance,
+        max_abs_diff_unpadded=float((graph - eager).abs().max()),
+        ok=bool(torch.allclose(graph, eager_padded, atol=tolerance, rtol=tolerance)),
+    )
+
+
+@dataclass
+class BatchResult:
+    """Every figure measured for one decode batch size (times in µs per call)."""
+
+    batch_size: int
+    padded_size: int
+    verification: Verification
+    inner_calls: Dict[str, int]
+    times_us: Dict[str, Spread]  # every probe, plus overhead (paired graph - replay) and one_op_overhead
+    overhead_trivial_ops: Spread  # overhead in units of the median trivial op of the same rounds
+    one_op_overhead_trivial_ops: Spread  # the same for a runner of one_op_model (no attention hook, no model noise)
+    graph_speedup: float  # median eager / median graph
+
+
+def one_op_model(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """A model of one op, so that runner minus raw replay is graphrt's own per-step cost without model noise."""
+    return input_ids + positions
+
+
+def graph_entry(runner: GraphRunner, batch: ForwardBatch) -> Any:
+    """The registry entry the runner replays for ``batch`` (it must not run eagerly)."""
+    decision = runner.dispatcher.decide(batch)
+    if not decision.use_graph:
+        raise RuntimeError(f"batch size {batch.batch_size} would run eagerly: {decision.reason.value}")
+    return decision.entry
+
+
+def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: ForwardBatch,
+               compiled: Optional[Callable]) -> List[Tuple[str, Callable[[], Any]]]:
+    """The timed callables of one batch size, in an order where each keeps its preconditions:
+    the raw replay and the attention hook follow a runner call, which leaves the backend
+    pointing at the graph's static metadata (the emulated replay reads it). ``one_op`` runs
+    the same batch, without the cache context, through a runner of ``one_op_model``."""
+    trivial = torch.zeros(1, device=work.device)
+    static_batch = graph_entry(runner, batch).inputs
+    hook = work.backend.init_forward_metadata_replay
+    bare_batch = dataclasses.replace(batch, **{name: None for name in CONTEXT_FIELDS})
+    probes = [("eager", lambda: run_eager(work.model, batch))]
+    if compiled is not None:
+        probes.append(("compile", lambda: compiled(batch)))
+    probes += [
+        ("graph", lambda: runner(batch)),
+        ("replay", graph_entry(runner, batch).graph.replay),
+        ("hook", lambda: hook(static_batch)),
+        ("one_op_graph", lambda: one_op(bare_batch)),
+        ("one_op_replay", graph_entry(one_op, bare_batch).graph.replay),
+        ("validate", lambda: batch.validate(runner.device, runner.debug)),
+        ("trivial", lambda: trivial.add_(1)),
+    ]
+    return probes
+
+
+def measure_batch(
+    work: Workload,
+    runner: GraphRunner,
+    one_op: GraphRunner,
+    batch: ForwardBatch,
+    clock: Clock,
+    iters: int,
+    warmup: int,
+    compiled: Optional[Callable] = None,
+    on_round: Callable[[], None] = lambda: None,
+) -> BatchResult:
+    """Verify the graph against eager for ``batch``, then time every probe of it."""
+    entry = graph_entry(runner, batch)
+    verification = verify_graph(work, runner, batch, entry.key.num_reqs)
+    if not verification.ok:
+        raise RuntimeError(
+            f"batch size {batch.batch_size}: graph logits differ from eager at padded size "
+            f"{entry.key.num_reqs} by {verification.max_abs_diff:.3g} (tolerance {verification.tolerance})"
+        )
+    probes = probes_for(work, runner, one_op, batch, compiled)
+    inner, samples = time_rounds(clock, probes, iters, warmup, on_round)
+    samples["overhead"] = [graph - replay for graph, replay in zip(samples["graph"], samples["replay"])]
+    samples["one_op_overhead"] = [
+        graph - replay for graph, replay in zip(samples["one_op_graph"], samples["one_op_replay"])
+    ]
+    times = {name: Spread.of(values) for name, values in samples.items()}
+    return BatchResult(
+        batch_size=batch.batch_size,
+        padded_size=entry.key.num_reqs,
+        verification=verification,
+        inner_calls=inner,
+        times_us=times,
+        overhead_trivial_ops=times["overhead"].scaled(1.0 / times["trivial"].median),
+        one_op_overhead_trivial_ops=times["one_op_overhead"].scaled(1.0 / times["trivial"].median),
+        graph_speedup=times["eager"].median / times["graph"].median,
+    )
+
+
+@dataclass
+class Throughput:
+    """Greedy generation of ``new_tokens`` per prompt, eagerly and with ``step=runner`` (prefill eager in both)."""
+
+    prompts: int
+    new_tokens: int
+    repeats: int
+    eager_s: float  # median wall seconds of one generate_greedy call
+    graph_s: float
+    same_tokens: bool
+    runner_eager_steps: int  # decode steps the runner ran eagerly instead of replaying (expected 0)
+
+    @property
+    def eager_tokens_per_s(self) -> float:
+        return self.prompts * self.new_tokens / self.eager_s
+
+    @property
+    def graph_tokens_per_s(self) -> float:
+        return self.prompts * self.new_tokens / self.graph_s
+
+
+def measure_throughput(
+    work: Workload, runner: GraphRunner, prompts: List[List[int]], new_tokens: int, repeats: int
+) -> Throughput:
+    """Median wall time of ``repeats`` generations each way, after one short warm-up each."""
+    steps = {"eager": None, "graph": runner}
+    seconds: Dict[str, List[float]] = {name: [] for name in steps}
+    tokens: Dict[str, List[List[int]]] = {}
+    for step in steps.values():
+        generate_greedy(work.model, work.backend, work.pools, prompts, 2, step=step)
+    eager_steps_before = runner.stats()["eager_runs"]
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            tokens[name] = generate_greedy(work.model, work.backend, work.pools, prompts, new_tokens, step=step)
+            seconds[name].append(time.perf_counter() - start)  # generate_greedy ends with a host read
+    return Throughput(
+        prompts=len(prompts), new_tokens=new_tokens, repeats=repeats,
+        eager_s=float(np.median(seconds["eager"])), graph_s=float(np.median(seconds["graph"])),
+        same_tokens=tokens["eager"] == tokens["graph"],
+        runner_eager_steps=runner.stats()["eager_runs"] - eager_steps_before,
+    )
+

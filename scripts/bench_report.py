@@ -1,0 +1,184 @@
+"""Reporting for scripts/bench.py: machine description, terminal tables, JSON document, PNG plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from bench_lib import BatchResult, Spread
+
+
+OVERHEAD_TARGET = 10.0  # trivial eager ops per runner call (DESIGN.md)
+BACKEND_NOTES = {
+    "emulated": (
+        "EMULATED backend (no CUDA graphs on this machine): a replay re-runs the model eagerly, so the "
+        "graph column is eager execution plus graphrt's own per-step work; it measures the runtime's "
+        "overhead, not a speedup"
+    ),
+    "cuda": "CUDA graphs: the graph column is one graph launch per step plus graphrt's staging and checks",
+}
+POOL_LABELS = {
+    "emulated": "output bytes (emulated backend: no graph memory pool)",
+    "cuda": "graph pool bytes (growth of torch.cuda.memory_reserved during capture)",
+}
+LATENCY_COLUMNS = (("eager", "eager"), ("compile", "compile"), ("graph", "graph"), ("replay", "raw replay"))
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> Dict[str, Any]:
+    """Where the figures were taken: device, CPU, core count, versions, load average."""
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
+
+
+def _spread(spread: Spread) -> str:
+    return f"{_us(spread.median)} [{_us(spread.p10)}-{_us(spread.p90)}]"
+
+
+def _table(header: Sequence[str], rows: List[Sequence[str]]) -> List[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(header, widths))]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    return lines
+
+
+def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
+    """The terminal report: header, latency table, overhead table, throughput and capture lines."""
+    machine, model, capture = doc["machine"], doc["model"], doc["capture"]
+    config = model["config"]
+    lines = [
+        f"graphrt decode benchmark | backend: {doc['backend'].upper()} | device: {machine['device_name']} "
+        f"({machine['cpu_cores']} CPU cores) | torch {machine['torch']}",
+        f"NOTE: {doc['backend_note']}.",
+        f"model {model['preset']}: {config['num_layers']} layers, hidden {config['hidden_size']}, "
+        f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}, "
+        f"context {config['max_context_len']}, {config['dtype']}, {model['parameters'] / 1e6:.1f}M parameters",
+        f"trivial eager op (x.add_(1), one element): {_spread(Spread(**doc['trivial_op_us']))} us; "
+        f"graph logits checked against eager at the padded size: {'ok' if doc['verified'] else 'FAILED'}",
+        "",
+        "latency per decode step, us: median [p10-p90]",
+    ]
+    columns = [(name, title) for name, title in LATENCY_COLUMNS if any(name in r.times_us for r in results)]
+    rows = [
+        [str(r.batch_size), str(r.padded_size),
+         *(_spread(r.times_us[name]) if name in r.times_us else "-" for name, _ in columns),
+         f"{r.graph_speedup:.2f}x"]
+        for r in results
+    ]
+    lines += _table(["bs", "padded", *(title for _, title in columns), "eager/graph"], rows)
+    lines += ["", f"runtime overhead per call (graph - raw replay, paired samples), target <= {OVERHEAD_TARGET:g} trivial ops"]
+    rows = [
+        [str(r.batch_size), _us(r.times_us["trivial"].median), _spread(r.times_us["overhead"]),
+         _spread(r.overhead_trivial_ops), "yes" if r.overhead_trivial_ops.median <= OVERHEAD_TARGET else "NO",
+         _us(r.times_us["validate"].median), _us(r.times_us["hook"].median),
+         _spread(r.times_us["one_op_overhead"]), _spread(r.one_op_overhead_trivial_ops)]
+        for r in results
+    ]
+    lines += _table(
+        ["bs", "trivial op us", "overhead us", "overhead / trivial", "<= target", "validate us", "attn hook us",
+         "one-op model: overhead us", "/ trivial"],
+        rows,
+    )
+    lines += [
+        "validate: batch.validate() alone, part of the overhead (on CPU it also reads index values; on GPU "
+        "metadata only)",
+        "attn hook: the attention backend's init_forward_metadata_replay alone, part of the overhead (the "
+        "attention metadata refresh that eager steps do too)",
+        "one-op model: the same batch through a runner of a one-op model (no cache context, so no attention "
+        "hook): graphrt's own cost without model noise",
+    ]
+    throughput = doc["throughput"]
+    lines += [
+        "",
+        f"generate_greedy, {throughput['prompts']} prompts x {throughput['new_tokens']} new tokens (prefill eager "
+        f"in both): eager {throughput['eager_tokens_per_s']:,.0f} tok/s, runner "
+        f"{throughput['graph_tokens_per_s']:,.0f} tok/s, same tokens: {throughput['same_tokens']}, "
+        f"runner steps run eagerly: {throughput['runner_eager_steps']}",
+        f"capture: {capture['keys']} keys in {capture['seconds']:.2f} s, "
+        f"{capture['pool_bytes'] / 2**20:.2f} MiB {capture['pool_bytes_label']}",
+    ]
+    if doc["compile"]["skipped"]:
+        lines.append(f"torch.compile peer: skipped ({doc['compile']['skipped']})")
+    return "\n".join(lines)
+
+
+def write_json(doc: Dict[str, Any], path: Path) -> None:
+    """Write ``doc`` as indented JSON (dtypes, devices and paths as strings)."""
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def plot_latency(doc: Dict[str, Any], results: Sequence[BatchResult], path: Path) -> Optional[str]:
+    """Latency and overhead against batch size as a PNG; returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return f"matplotlib is not installed ({error})"
+    sizes = [r.batch_size for r in results]
+    figure, (latency_ax, overhead_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, title in LATENCY_COLUMNS:
+        points = [(r.batch_size, r.times_us[name]) for r in results if name in r.times_us]
+        if not points:
+            continue
+        xs, spreads = zip(*points)
+        latency_ax.plot(xs, [s.median for s in spreads], marker="o", label=title)
+        latency_ax.fill_between(xs, [s.p10 for s in spreads], [s.p90 for s in spreads], alpha=0.2)
+    latency_ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per decode step",
+                   title="latency (median, p10-p90 band)")
+    latency_ax.legend()
+    medians = []
+    for label, ratios in (("runner - raw replay", [r.overhead_trivial_ops for r in results]),
+                          ("same, one-op model", [r.one_op_overhead_trivial_ops for r in results])):
+        medians += [s.median for s in ratios]
+        overhead_ax.plot(sizes, [s.median for s in ratios], marker="o", label=label)
+        overhead_ax.fill_between(sizes, [s.p10 for s in ratios], [s.p90 for s in ratios], alpha=0.2)
+    validate = [r.times_us["validate"].median / r.times_us["trivial"].median for r in results]
+    overhead_ax.plot(sizes, validate, marker=".", linestyle=":", label="of which validate()")
+    overhead_ax.axhline(OVERHEAD_TARGET, color="red", linestyle="--", label=f"target {OVERHEAD_TARGET:g}")
+    # Bands can be wide where the model step is 1000x the overhead; the axis follows the medians.
+    overhead_ax.set(xscale="log", xlabel="batch size", ylabel="trivial eager ops",
+                    ylim=(1.2 * min(0.0, *medians), 1.5 * max(2 * OVERHEAD_TARGET, *medians)),
+                    title="runtime overhead per call (median, p10-p90 band)")
+    overhead_ax.legend()
+    for axis in (latency_ax, overhead_ax):
+        axis.set_xticks(sizes, [str(size) for size in sizes])
+        axis.minorticks_off()
+    figure.suptitle(f"graphrt, {doc['model']['preset']} model on {doc['machine']['device_name']}, "
+                    f"backend {doc['backend']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return None

@@ -1,0 +1,105 @@
+"""scripts/bench.py end to end with tiny settings: JSON fields, emulated label, verification gate."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TIMED = ("eager", "graph", "replay", "overhead", "validate", "hook", "one_op_overhead", "trivial")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    return importlib.import_module("bench")
+
+
+def run_bench(bench, out: Path, *flags: str) -> dict:
+    assert bench.main(["--model", "tiny", "--batch-sizes", "1,3", "--iters", "3", "--quick", "--out", str(out), *flags]) == 0
+    paths = list(out.glob("bench_*_tiny.json"))
+    assert len(paths) == 1
+    return json.loads(paths[0].read_text())
+
+
+def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
+    doc = run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu")
+    printed = capsys.readouterr().out
+    assert "backend: EMULATED" in printed and "not a speedup" in printed
+    assert doc["backend"] == "emulated" and doc["emulated"] is True and "EMULATED" in doc["backend_note"]
+    assert doc["verified"] is True
+    settings = doc["settings"]
+    assert settings["batch_sizes"] == [1, 3] and settings["iters"] == 3 and settings["quick"] is True
+    assert settings["backend"] == "emulated" and settings["threads"] == 1
+    machine = doc["machine"]
+    assert machine["torch"] == torch.__version__ and machine["device_name"] and machine["cpu_cores"] >= 1
+    model = doc["model"]
+    assert model["preset"] == "tiny" and model["parameters"] > 0 and model["config"]["num_layers"] == 2
+    assert doc["trivial_op_us"]["median"] > 0 and doc["overhead_target_trivial_ops"] == 10
+    assert [b["batch_size"] for b in doc["batches"]] == [1, 3]
+    for batch in doc["batches"]:
+        assert batch["verification"]["ok"] is True
+        assert batch["padded_size"] == batch["verification"]["padded_size"] >= batch["batch_size"]
+        for name in TIMED:
+            spread = batch["times_us"][name]
+            assert all(math.isfinite(spread[key]) for key in ("median", "p10", "p90"))
+        assert spread["median"] > 0  # the trivial op
+        assert math.isfinite(batch["overhead_trivial_ops"]["median"])
+        assert math.isfinite(batch["one_op_overhead_trivial_ops"]["median"])
+    capture = doc["capture"]
+    assert capture["keys"] >= 2 and capture["seconds"] > 0 and not capture["failed"]
+    assert capture["pool_bytes"] > 0 and "output bytes" in capture["pool_bytes_label"]
+    throughput = doc["throughput"]
+    assert throughput["same_tokens"] is True and throughput["runner_eager_steps"] == 0
+    assert throughput["eager_tokens_per_s"] > 0 and throughput["graph_tokens_per_s"] > 0
+    assert doc["compile"]["enabled"] is False and doc["compile"]["skipped"]
+    assert doc["runner_stats"]["eager_runs"] == 0 and doc["runner_stats"]["graph_runs"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "bench_cpu_tiny.png").stat().st_size > 0
+
+
+def test_no_plot_writes_no_png(bench, tmp_path):
+    run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu", "--no-plot", "--batch-sizes", "2")
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_graph_that_disagrees_with_eager_is_not_timed(bench, monkeypatch):
+    import bench_lib
+    from graphrt import GraphRunner
+    from graphrt.reference import graph_runner_kwargs
+
+    config = bench_lib.model_config("tiny", torch.float32, {})
+    work = bench_lib.Workload.build(config, 2, torch.device("cpu"))
+    kwargs = graph_runner_kwargs(work.backend, work.pools)
+    runner = GraphRunner(work.model, max_batch_size=2, progress=False, **kwargs)
+    one_op = GraphRunner(bench_lib.one_op_model, max_batch_size=2, progress=False, pad_values=kwargs["pad_values"])
+    runner.capture()
+    one_op.capture()
+    eager = bench_lib.run_eager
+    monkeypatch.setattr(bench_lib, "run_eager", lambda model, batch: eager(model, batch) + 1.0)
+    clock = bench_lib.Clock(torch.device("cpu"), 1e-3)
+    with torch.no_grad(), work.decode_batch(1, random.Random(0)) as batch:
+        with pytest.raises(RuntimeError, match="differ from eager"):
+            bench_lib.measure_batch(work, runner, one_op, batch, clock, iters=1, warmup=0)
+
+
+def test_cuda_backend_refused_without_cuda(bench, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit, match="cuda"):
+        bench.main(["--backend", "cuda", "--out", str(tmp_path)])
+
+
+@pytest.mark.cuda
+def test_cuda_run_verifies_graphs(bench, tmp_path):
+    doc = run_bench(bench, tmp_path, "--backend", "cuda", "--no-compile")
+    assert doc["backend"] == "cuda" and doc["emulated"] is False and doc["verified"] is True
+    assert "graph pool" in doc["capture"]["pool_bytes_label"]
+    assert doc["machine"]["device_name"] == torch.cuda.get_device_name()
