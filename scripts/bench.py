@@ -27,14 +27,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from bench_lib import (
-    PRESETS, BatchResult, Clock, Spread, Workload, measure_batch, measure_throughput, model_config, one_op_model,
-    parameter_count,
+    PRESETS, TOLERANCE, BatchResult, Clock, Spread, Workload, measure_batch, measure_throughput, model_config,
+    one_op_model, parameter_count,
 )
 from bench_peer import compiled_step, warm_compiled
+from bench_ubatch import UBatchResult, format_ubatch, measure_ubatch
 from bench_report import (
     BACKEND_NOTES, OVERHEAD_TARGET, POOL_LABELS, format_report, machine_info, plot_latency, write_json,
 )
-from graphrt import GraphRunner
+from graphrt import GraphRunner, UBatchConfig
 from graphrt.registry import CaptureReport
 from graphrt.reference import graph_runner_kwargs
 
@@ -57,6 +58,7 @@ class Settings:
     device: torch.device
     backend: str
     batch_sizes: List[int]
+    ubatch_sizes: List[int]
     iters: int
     warmup: int
     sample_ms: float
@@ -80,6 +82,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the preset's {MODEL_OVERRIDES[flag]}")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated decode batch sizes")
+    parser.add_argument("--ubatch-sizes",
+                        help="sizes above the largest batch size, run micro-batched (default 1.25x and 2x-3 of it, "
+                             "--quick 1.5x; '' to skip)")
     parser.add_argument("--iters", type=int, help="timed samples per batch size (default 50, --quick 5)")
     parser.add_argument("--warmup", type=int, help="discarded warm-up samples per batch size (default 3, --quick 1)")
     parser.add_argument("--sample-ms", type=float, help="target length of one sample, ms (default 5, --quick 1)")
@@ -115,6 +120,15 @@ def resolve(args: argparse.Namespace) -> Settings:
         if getattr(args, flag) is not None and getattr(args, flag) < least:
             raise SystemExit(f"--{flag.replace('_', '-')}: expected >= {least}, got {getattr(args, flag)}")
     threads = args.threads if args.threads is not None or device.type == "cuda" else 1
+    largest = batch_sizes[-1]
+    default_ubatch = f"{largest + largest // 2}" if args.quick else f"{largest + largest // 4},{2 * largest - 3}"
+    ubatch_text = default_ubatch if args.ubatch_sizes is None else args.ubatch_sizes
+    try:
+        ubatch_sizes = sorted({int(size) for size in ubatch_text.split(",") if size.strip()})
+    except ValueError:
+        raise SystemExit(f"--ubatch-sizes: expected comma-separated ints, got {ubatch_text!r}") from None
+    if ubatch_sizes and ubatch_sizes[0] <= largest:
+        raise SystemExit(f"--ubatch-sizes: expected sizes above the largest batch size {largest}, got {ubatch_sizes}")
 
     def pick(value: Any, default: Any, quick: Any) -> Any:
         return value if value is not None else (quick if args.quick else default)
@@ -126,6 +140,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         device=device,
         backend=args.backend,
         batch_sizes=batch_sizes,
+        ubatch_sizes=ubatch_sizes,
         iters=pick(args.iters, 50, 5),
         warmup=pick(args.warmup, 3, 1),
         sample_ms=pick(args.sample_ms, 5.0, 1.0),
@@ -166,24 +181,28 @@ def capture_summary(report: CaptureReport, backend: str) -> Dict[str, Any]:
 
 
 def build_runners(settings: Settings, work: Workload, max_batch_size: int
-                  ) -> Tuple[GraphRunner, GraphRunner, CaptureReport]:
-    """The reference model's runner (captured, with its report) and a captured runner of a one-op model."""
+                  ) -> Tuple[GraphRunner, Dict[str, GraphRunner], CaptureReport]:
+    """The reference model's runner (captured, micro-batching above its largest size, with its
+    report) and captured runners of a one-op model, plain and in debug mode."""
     runner_kwargs = graph_runner_kwargs(work.backend, work.pools)
     runner = GraphRunner(
-        work.model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device, **runner_kwargs
+        work.model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device,
+        ubatch=UBatchConfig(), **runner_kwargs,
     )
     report = runner.capture()
     if report.failed:
         raise SystemExit(f"capture failed, nothing to benchmark:\n{report}")
-    one_op = GraphRunner(
-        one_op_model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device,
-        pad_values=runner_kwargs["pad_values"], progress=False,
-    )
-    one_op.capture()
+    one_op = {
+        name: GraphRunner(one_op_model, max_batch_size=max_batch_size, backend=settings.backend,
+                          device=settings.device, pad_values=runner_kwargs["pad_values"], progress=False, debug=debug)
+        for name, debug in (("plain", False), ("debug", True))
+    }
+    for one_op_runner in one_op.values():
+        one_op_runner.capture()
     return runner, one_op, report
 
 
-def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op: GraphRunner,
+def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op: Dict[str, GraphRunner],
                  rng: random.Random) -> Tuple[List[BatchResult], Dict[str, Any]]:
     """Verify and time every batch size (with the torch.compile peer where enabled)."""
     compile_info: Dict[str, Any] = {"enabled": settings.compile, "skipped": None, "per_batch": {}}
@@ -205,7 +224,8 @@ def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op
                         compile_info["per_batch"][batch_size] = {"error": f"{type(error).__name__}: {error}"}
                         logger.warning("torch.compile peer failed at batch size %d: %s", batch_size, error)
                 results.append(measure_batch(
-                    work, runner, one_op, batch, clock, settings.iters, settings.warmup, peer, on_round
+                    work, runner, one_op["plain"], batch, clock, settings.iters, settings.warmup, peer, on_round,
+                    one_op["debug"],
                 ))
     return results, compile_info
 
@@ -217,12 +237,14 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
     machine = machine_info(settings.device)
     config = model_config(settings.model, settings.dtype, settings.overrides)
     max_batch_size = max(settings.batch_sizes[-1], settings.prompts)
-    work = Workload.build(config, max_batch_size, settings.device)
+    work = Workload.build(config, max([max_batch_size, *settings.ubatch_sizes]), settings.device)
     runner, one_op, report = build_runners(settings, work, max_batch_size)
     with torch.no_grad():
         results, compile_info = time_batches(settings, work, runner, one_op, rng)
         prompts = work.prompts(settings.prompts, settings.new_tokens, rng)
         throughput = measure_throughput(work, runner, prompts, settings.new_tokens, settings.repeats)
+        ubatch = measure_ubatch(work, runner, Clock(settings.device, settings.sample_ms / 1e3), settings.ubatch_sizes,
+                                settings.iters, settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
     backend = runner.backend_name
     doc = {
         "benchmark": "graphrt decode step: eager vs GraphRunner vs raw replay",
@@ -246,6 +268,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
             "graph_tokens_per_s": throughput.graph_tokens_per_s,
         },
         "compile": compile_info,
+        "ubatch": [dataclasses.asdict(result) for result in ubatch],
         "runner_stats": runner.stats(),
     }
     return doc, results
@@ -265,6 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
     print(format_report(doc, results))
+    print("\n".join(format_ubatch([UBatchResult(**{**r, "times_us": {k: Spread(**v) for k, v in r["times_us"].items()}})
+                                   for r in doc["ubatch"]], settings.batch_sizes[-1])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
     if settings.plot:
         why_not = plot_latency(doc, results, stem.with_suffix(".png"))

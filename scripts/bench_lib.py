@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from graphrt import ForwardBatch, GraphRunner
+from graphrt import ForwardBatch, GraphRunner, pad_forward_batch
 from graphrt.dispatcher import CONTEXT_FIELDS
 from graphrt.reference import (
     CachePools,
@@ -42,7 +42,6 @@ PRESETS: Dict[str, Callable[..., ReferenceConfig]] = {
     ),
     "realistic": functools.partial(ReferenceConfig.realistic, max_context_len=512),
 }
-STAGED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 TOLERANCE = {torch.float32: 1e-4}  # atol = rtol for graph vs eager logits; 2e-2 for 16-bit types
 
 
@@ -189,25 +188,11 @@ class Verification:
     ok: bool
 
 
-def pad_decode_batch(batch: ForwardBatch, padded: int, pad_values: Dict[str, int]) -> ForwardBatch:
-    """``batch`` with ``padded - batch_size`` padding requests, filled with the runner's pad values."""
-    extra = padded - batch.batch_size
-
-    def extend(tensor: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat((tensor, torch.full((extra,), value, dtype=tensor.dtype, device=tensor.device)))
-
-    fields = {name: extend(getattr(batch, name), pad_values[name]) for name in STAGED_FIELDS}
-    return dataclasses.replace(
-        batch, batch_size=padded, seq_lens_sum=batch.seq_lens_sum + extra * pad_values["seq_lens"],
-        seq_lens_cpu=extend(batch.seq_lens_cpu, pad_values["seq_lens"]), **fields,
-    )
-
-
 def verify_graph(work: Workload, runner: GraphRunner, batch: ForwardBatch, padded: int) -> Verification:
     """Run ``batch`` through the runner and eagerly (padded and unpadded) and compare the logits."""
-    pad_values = {name: int(runner.buffers.get_slot(name).pad_value) for name in STAGED_FIELDS}
     graph = runner(batch).clone()
-    eager_padded = run_eager(work.model, pad_decode_batch(batch, padded, pad_values))[: batch.batch_size]
+    eager_padded = run_eager(work.model, pad_forward_batch(batch, padded, padded, runner.pad_values))[
+        : batch.batch_size]
     eager = run_eager(work.model, batch)
     tolerance = TOLERANCE.get(work.config.dtype, 2e-2)
     return Verification(
@@ -248,7 +233,8 @@ def graph_entry(runner: GraphRunner, batch: ForwardBatch) -> Any:
 
 
 def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: ForwardBatch,
-               compiled: Optional[Callable]) -> List[Tuple[str, Callable[[], Any]]]:
+               compiled: Optional[Callable], one_op_debug: Optional[GraphRunner] = None
+               ) -> List[Tuple[str, Callable[[], Any]]]:
     """The timed callables of one batch size, in an order where each keeps its preconditions:
     the raw replay and the attention hook follow a runner call, which leaves the backend
     pointing at the graph's static metadata (the emulated replay reads it). ``one_op`` runs
@@ -269,6 +255,8 @@ def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: 
         ("validate", lambda: batch.validate(runner.device, runner.debug)),
         ("trivial", lambda: trivial.add_(1)),
     ]
+    if one_op_debug is not None:  # debug mode (stale-output guard): the same one-op runner with debug=True
+        probes.append(("one_op_debug_graph", lambda: one_op_debug(bare_batch)))
     return probes
 
 
@@ -282,6 +270,7 @@ def measure_batch(
     warmup: int,
     compiled: Optional[Callable] = None,
     on_round: Callable[[], None] = lambda: None,
+    one_op_debug: Optional[GraphRunner] = None,
 ) -> BatchResult:
     """Verify the graph against eager for ``batch``, then time every probe of it."""
     entry = graph_entry(runner, batch)
@@ -291,8 +280,12 @@ def measure_batch(
             f"batch size {batch.batch_size}: graph logits differ from eager at padded size "
             f"{entry.key.num_reqs} by {verification.max_abs_diff:.3g} (tolerance {verification.tolerance})"
         )
-    probes = probes_for(work, runner, one_op, batch, compiled)
+    probes = probes_for(work, runner, one_op, batch, compiled, one_op_debug)
     inner, samples = time_rounds(clock, probes, iters, warmup, on_round)
+    if "one_op_debug_graph" in samples:
+        samples["debug_cost"] = [
+            debug - plain for debug, plain in zip(samples["one_op_debug_graph"], samples["one_op_graph"])
+        ]
     samples["overhead"] = [graph - replay for graph, replay in zip(samples["graph"], samples["replay"])]
     samples["one_op_overhead"] = [
         graph - replay for graph, replay in zip(samples["one_op_graph"], samples["one_op_replay"])

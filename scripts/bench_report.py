@@ -102,12 +102,13 @@ def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
         [str(r.batch_size), _us(r.times_us["trivial"].median), _spread(r.times_us["overhead"]),
          _spread(r.overhead_trivial_ops), "yes" if r.overhead_trivial_ops.median <= OVERHEAD_TARGET else "NO",
          _us(r.times_us["validate"].median), _us(r.times_us["hook"].median),
-         _spread(r.times_us["one_op_overhead"]), _spread(r.one_op_overhead_trivial_ops)]
+         _spread(r.times_us["one_op_overhead"]), _spread(r.one_op_overhead_trivial_ops),
+         _spread(r.times_us["debug_cost"]) if "debug_cost" in r.times_us else "-"]
         for r in results
     ]
     lines += _table(
         ["bs", "trivial op us", "overhead us", "overhead / trivial", "<= target", "validate us", "attn hook us",
-         "one-op model: overhead us", "/ trivial"],
+         "one-op model: overhead us", "/ trivial", "debug mode: + us"],
         rows,
     )
     lines += [
@@ -117,6 +118,7 @@ def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
         "attention metadata refresh that eager steps do too)",
         "one-op model: the same batch through a runner of a one-op model (no cache context, so no attention "
         "hook): graphrt's own cost without model noise",
+        "debug mode: extra cost per call of the same one-op runner with debug=True (stale-output guard)",
     ]
     throughput = doc["throughput"]
     lines += [
