@@ -68,6 +68,9 @@ class GraphRunner:
         process_group: Optional[Any] = None,
         ubatch: Optional[UBatchConfig] = None,
     ) -> None:
+        for name, value, least in (("max_batch_size", max_batch_size, 1), ("warmup_iters", warmup_iters, 0)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
         requested = resolve_backend_name(backend)
         self.device = resolve_device(requested, device)
         self.backend_name = "eager" if graphs_disabled_by_env() else requested
@@ -99,6 +102,7 @@ class GraphRunner:
             axis=RowAxis.REQUESTS, pad_value=self.buffers.get_slot("seq_lens").pad_value,
         ))
         self._lock = threading.Lock()
+        self._graph_state_ready = False
         self._register_keys()
         self._ubatch = self._make_ubatch(ubatch)
         if self.lockstep is not None:
@@ -191,8 +195,10 @@ class GraphRunner:
             return CaptureReport()
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
-        if init_graph_state is not None:
+        if init_graph_state is not None and not self._graph_state_ready:
+            # Once only: graphs captured earlier (a resumed capture, retune) read these buffers.
             init_graph_state(self.max_batch_size, self.buffers.max_seq_len)
+            self._graph_state_ready = True
         capture_hook = getattr(attn_backend, "init_forward_metadata_capture", None)
 
         def before_capture(entry: GraphEntry) -> None:

@@ -176,3 +176,34 @@ def test_graphs_disabled_env_runs_everything_eagerly(monkeypatch):
     batch = decode_batch(4, seed=8)
     torch.testing.assert_close(runner(batch), model(batch.input_ids, batch.positions, batch))
     assert runner.stats()["eager_reasons"] == {"graphs_disabled": 1}
+
+
+def test_attention_graph_state_is_allocated_once_across_captures():
+    class CountingBackend:
+        def __init__(self):
+            self.states = 0
+
+        def init_graph_state(self, max_bs, max_num_tokens):
+            self.states += 1
+
+    attn = CountingBackend()
+    runner = GraphRunner(GemmFreeModel(), max_batch_size=8, capture_sizes=[2, 8], backend="emulated",
+                         batch_context={"attn_backend": attn}, progress=False)
+    runner.capture()
+    for _ in range(20):
+        runner(decode_batch(2, seed=1))
+    runner.retune(max_graphs=1)  # recaptures: graphs captured before must keep reading the same buffers
+    assert attn.states == 1
+    assert runner.stats()["capture_sizes"] == [2]
+
+
+class GemmFreeModel(torch.nn.Module):
+    def forward(self, input_ids, positions, forward_batch):
+        return input_ids[:, None] * 2.0
+
+
+def test_runner_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="max_batch_size: expected an int >= 1"):
+        GraphRunner(GemmFreeModel(), max_batch_size=0)
+    with pytest.raises(ValueError, match="warmup_iters"):
+        GraphRunner(GemmFreeModel(), max_batch_size=4, warmup_iters=-1)
