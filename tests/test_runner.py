@@ -207,3 +207,19 @@ def test_runner_rejects_bad_sizes():
         GraphRunner(GemmFreeModel(), max_batch_size=0)
     with pytest.raises(ValueError, match="warmup_iters"):
         GraphRunner(GemmFreeModel(), max_batch_size=4, warmup_iters=-1)
+
+
+@pytest.mark.cuda
+def test_cuda_step_never_synchronizes_with_the_device():
+    _, runner = make_runner("cuda", "cuda")
+    runner.capture()
+    batches = [decode_batch(n, "cuda", seed=n) for n in (5, 8, 3)]
+    for batch in batches:  # first use of each size builds cached views
+        runner(batch)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches * 3:
+            runner(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.stats()["graph_runs"] == 12
