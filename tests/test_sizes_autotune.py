@@ -9,8 +9,6 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from conftest import BACKENDS, ToyPagedModel, decode_batch, pad_batch
 from graphrt import ForwardMode, GraphRunner, default_capture_sizes
@@ -21,24 +19,6 @@ from graphrt.stats import load_histogram, save_histogram
 def padded_tokens(histogram, sizes):
     """Reference: padded tokens of every step, by brute force."""
     return sum(count * (min(s for s in sizes if s >= size) - size) for size, count in histogram.items())
-
-
-histograms = st.dictionaries(st.integers(1, 16), st.integers(1, 50), min_size=1, max_size=9)
-
-
-@settings(max_examples=300, deadline=None)
-@given(histogram=histograms, max_graphs=st.integers(1, 6))
-def test_choice_is_exactly_optimal_against_brute_force(histogram, max_graphs):
-    chosen = choose_capture_sizes(histogram, max_graphs)
-    observed = sorted(histogram)
-    assert chosen == sorted(set(chosen)) and len(chosen) <= max_graphs
-    assert set(chosen) <= set(observed) and chosen[-1] == observed[-1], "the largest observed size must be chosen"
-    best = min(
-        padded_tokens(histogram, list(rest) + [observed[-1]])
-        for r in range(min(max_graphs, len(observed)))
-        for rest in itertools.combinations(observed[:-1], r)
-    )
-    assert padded_tokens(histogram, chosen) == best
 
 
 def test_choice_on_a_hand_example_and_with_enough_graphs():

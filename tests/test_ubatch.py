@@ -1,6 +1,6 @@
 """Micro-batching: ForwardBatch splits are valid, merged outputs are exact, dynamic sizing adapts.
 
-The helpers here (batches, models, sizes) are shared with test_ubatch_plan.py and test_ubatch_sync.py.
+Shared helpers (batches, a row-wise model, sizes) live in ubatch_helpers.py.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from graphrt.batch import ForwardBatch, ForwardMode
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ubatch_helpers import SIZE_SETS, SIZES, batch_model, call_and_close, make_batch  # noqa: E402
 from graphrt.ubatch import (
     DynamicUBatchWrapper,
     UBatchConfig,
@@ -23,74 +25,13 @@ from graphrt.ubatch import (
     split_forward_batch,
 )
 
-SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-SIZE_SETS = [SIZES, [8, 16, 32, 64], [1, 2, 4, 8, 16], [4, 12, 20]]
 FAST = settings(max_examples=40, deadline=None)
-
-
-def make_batch(counts, seed: int = 0, mirrors: bool = True) -> ForwardBatch:
-    """A valid batch with ``counts[i]`` new tokens for request i: DECODE when all are 1, else EXTEND."""
-    gen = torch.Generator().manual_seed(seed)
-    reqs, tokens = len(counts), sum(counts)
-    new = torch.tensor(counts, dtype=torch.int32)
-    decode = all(count == 1 for count in counts)
-    prefix = torch.randint(0, 30, (reqs,), generator=gen, dtype=torch.int32) + (1 if decode else 0)
-    seq_lens = prefix + new
-    positions = torch.cat([torch.arange(int(p), int(p) + c) for p, c in zip(prefix, counts)])
-    fields = dict(
-        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        batch_size=reqs,
-        input_ids=torch.randint(0, 1000, (tokens,), generator=gen),
-        req_pool_indices=torch.randperm(reqs, generator=gen) + 1,
-        seq_lens=seq_lens,
-        out_cache_loc=torch.randperm(tokens, generator=gen) + 1,
-        seq_lens_sum=int(seq_lens.sum()),
-        seq_lens_cpu=seq_lens.clone() if mirrors else None,
-        positions=positions - 1 if decode else positions,
-        attn_backend=object(),
-    )
-    if not decode:
-        fields.update(
-            extend_num_tokens=tokens,
-            extend_seq_lens=new,
-            extend_prefix_lens=prefix,
-            extend_start_loc=torch.cumsum(new, 0, dtype=torch.int32) - new,
-            extend_seq_lens_cpu=list(counts) if mirrors else None,
-            extend_prefix_lens_cpu=prefix.tolist() if mirrors else None,
-        )
-        fields["positions"] = positions
-    return ForwardBatch(**fields)
-
-
-def batch_model(batch: ForwardBatch) -> torch.Tensor:
-    """Integer features of every token, read through its request's fields: exact, and wrong for a bad split."""
-    batch.validate()
-    assert batch.seq_lens_sum == int(batch.seq_lens.sum())
-    if batch.forward_mode.is_extend():
-        req = torch.repeat_interleave(torch.arange(batch.batch_size), batch.extend_seq_lens.long())
-        offset = torch.arange(batch.num_tokens) - batch.extend_start_loc.long()[req]
-        assert torch.equal(batch.positions.long(), batch.extend_prefix_lens.long()[req] + offset)
-    else:
-        req, offset = torch.arange(batch.batch_size), torch.zeros(batch.batch_size, dtype=torch.long)
-    columns = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices[req],
-               batch.seq_lens[req], offset]
-    return torch.stack([column.long() for column in columns], dim=1)
 
 
 def rows_model(x, y, weight, scale):
     """Row-wise model with tuple/dict outputs and a non-batch weight passed whole."""
     assert weight.shape == (1, 4) and scale.dim() == 0
     return x * scale + y[:, :1], {"total": x.sum(1) + weight.sum()}
-
-
-def call_and_close(wrapper, batch):
-    try:
-        return wrapper(batch)
-    finally:
-        wrapper.close()
-
-
-# ---- ForwardBatch splitting and output equality ----
 
 
 def test_split_forward_batch_builds_valid_sub_batches():

@@ -6,11 +6,15 @@ import bisect
 import itertools
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from graphrt.ubatch import UBatchConfig, UBatchState, UBatchWrapper, make_ubatch_contexts
-from test_ubatch import FAST, SIZE_SETS, SIZES, batch_model
+from ubatch_helpers import SIZE_SETS, SIZES, batch_model  # noqa: E402
+
+FAST = settings(max_examples=40, deadline=None)
 
 
 def padding_of(tokens: int, sizes) -> int:

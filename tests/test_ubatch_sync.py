@@ -19,7 +19,7 @@ from graphrt.ubatch import (
     UBatchWrapper,
     current_ubatch,
 )
-from test_ubatch import SIZES, batch_model, call_and_close, make_batch
+from ubatch_helpers import SIZES, batch_model, call_and_close, make_batch
 
 JOIN_S = 20.0
 
