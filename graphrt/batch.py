@@ -210,9 +210,18 @@ def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch
 
 
 def check_non_negative(batch: "ForwardBatch", tensors: List[torch.Tensor]) -> None:
-    """Value check (reads the tensors, one reduction for all): every entry must be >= 0."""
-    values = torch.cat(tensors)
-    if not values.numel() or int(values.min()) >= 0:
+    """Value check (reads the tensors, one reduction per dtype): every entry must be >= 0.
+
+    Tensors are grouped by dtype because concatenating mixed dtypes costs a type promotion.
+    """
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    for group in groups.values():
+        values = group[0] if len(group) == 1 else torch.cat(group)
+        if values.numel() and int(values.min()) < 0:
+            break
+    else:
         return
     for spec in EXTEND_SPECS:
         tensor = getattr(batch, spec.name)
