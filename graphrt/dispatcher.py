@@ -207,10 +207,9 @@ class ReplayDispatcher(GraphDispatcher):
         start_loc = self.buffers.get_slot("extend_start_loc").tensor
         start_loc[batch.batch_size : entry.key.num_reqs].fill_(batch.input_ids.shape[0])
         static_batch: ForwardBatch = entry.inputs
-        if batch.extend_seq_lens_cpu is not None:
-            static_batch.extend_seq_lens_cpu = list(batch.extend_seq_lens_cpu) + [0] * padding
-        if batch.extend_prefix_lens_cpu is not None:
-            static_batch.extend_prefix_lens_cpu = list(batch.extend_prefix_lens_cpu) + [0] * padding
+        for name in ("extend_seq_lens_cpu", "extend_prefix_lens_cpu"):  # never leave a previous step's mirror
+            mirror = getattr(batch, name)
+            setattr(static_batch, name, None if mirror is None else list(mirror) + [0] * padding)
 
     def _stage_seq_lens_cpu(self, batch: ForwardBatch, padded_reqs: int) -> Optional[torch.Tensor]:
         if batch.seq_lens_cpu is None or self._seq_lens_cpu is None:

@@ -119,3 +119,28 @@ def test_mixed_mode_without_backend_support_runs_eagerly():
     assert batch.forward_mode is ForwardMode.MIXED
     runner(batch)
     assert runner.stats()["eager_reasons"] == {"mode_not_captured": 1}
+
+
+def test_static_batch_mirrors_follow_each_step():
+    config = ReferenceConfig.tiny(max_context_len=32)
+    model, attn, pools = build_reference(config, num_requests=4)
+    seen = []
+    replay_hook = attn.init_forward_metadata_replay
+
+    def recording_hook(forward_batch):
+        seen.append((forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu))
+        replay_hook(forward_batch)
+
+    attn.init_forward_metadata_replay = recording_hook
+    runner = GraphRunner(model, max_batch_size=4, modes=(ForwardMode.EXTEND,), backend="emulated", progress=False,
+                         extend_capture_sizes=([8], [4]), **graph_runner_kwargs(attn, pools))
+    runner.capture()
+    seen.clear()
+    cache = SequenceCache(pools)
+    batch, _ = build_forward_batch([UnifiedBatchItem("a", [1, 2, 3], cache, 0)], attn_backend=attn)
+    runner(batch)
+    batch, _ = build_forward_batch([UnifiedBatchItem("a", [4, 5], cache, 3)], attn_backend=attn)
+    batch.extend_seq_lens_cpu = batch.extend_prefix_lens_cpu = batch.seq_lens_cpu = None
+    runner(batch)
+    assert seen[0][0] == [3, 0, 0, 0] and seen[0][1].tolist() == [3, 1, 1, 1]
+    assert seen[1] == (None, None), "a step without mirrors must not see the previous step's"
