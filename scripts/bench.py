@@ -32,6 +32,7 @@ from bench_lib import (
 )
 from bench_peer import compiled_step, warm_compiled
 from bench_ubatch import UBatchResult, format_ubatch, measure_ubatch
+from capture_sizes_study import format_study, study
 from bench_report import (
     BACKEND_NOTES, OVERHEAD_TARGET, POOL_LABELS, format_report, machine_info, plot_latency, write_json,
 )
@@ -120,7 +121,8 @@ def resolve(args: argparse.Namespace) -> Settings:
         if getattr(args, flag) is not None and getattr(args, flag) < least:
             raise SystemExit(f"--{flag.replace('_', '-')}: expected >= {least}, got {getattr(args, flag)}")
     threads = args.threads if args.threads is not None or device.type == "cuda" else 1
-    largest = batch_sizes[-1]
+    prompts = args.prompts if args.prompts is not None else (4 if args.quick else 8)
+    largest = max(batch_sizes[-1], prompts)  # the runner's largest graph
     default_ubatch = f"{largest + largest // 2}" if args.quick else f"{largest + largest // 4},{2 * largest - 3}"
     ubatch_text = default_ubatch if args.ubatch_sizes is None else args.ubatch_sizes
     try:
@@ -128,7 +130,7 @@ def resolve(args: argparse.Namespace) -> Settings:
     except ValueError:
         raise SystemExit(f"--ubatch-sizes: expected comma-separated ints, got {ubatch_text!r}") from None
     if ubatch_sizes and ubatch_sizes[0] <= largest:
-        raise SystemExit(f"--ubatch-sizes: expected sizes above the largest batch size {largest}, got {ubatch_sizes}")
+        raise SystemExit(f"--ubatch-sizes: expected sizes above the largest graph ({largest}), got {ubatch_sizes}")
 
     def pick(value: Any, default: Any, quick: Any) -> Any:
         return value if value is not None else (quick if args.quick else default)
@@ -144,7 +146,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         iters=pick(args.iters, 50, 5),
         warmup=pick(args.warmup, 3, 1),
         sample_ms=pick(args.sample_ms, 5.0, 1.0),
-        prompts=pick(args.prompts, 8, 4),
+        prompts=prompts,
         new_tokens=pick(args.new_tokens, 32, 8),
         repeats=1 if args.quick else 3,
         compile=not args.no_compile and device.type == "cuda",
@@ -269,6 +271,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         },
         "compile": compile_info,
         "ubatch": [dataclasses.asdict(result) for result in ubatch],
+        "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
     }
     return doc, results
@@ -289,7 +292,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
     print(format_report(doc, results))
     print("\n".join(format_ubatch([UBatchResult(**{**r, "times_us": {k: Spread(**v) for k, v in r["times_us"].items()}})
-                                   for r in doc["ubatch"]], settings.batch_sizes[-1])))
+                                   for r in doc["ubatch"]], max(settings.batch_sizes[-1], settings.prompts))))
+    print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
+    print("\n".join(format_study(doc["capture_sizes_study"])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
     if settings.plot:
         why_not = plot_latency(doc, results, stem.with_suffix(".png"))

@@ -81,29 +81,51 @@ def tuned_graphs_needed(train: Dict[int, int], test: Dict[int, int]) -> int:
     return MAX_BS
 
 
+def study(steps: int = 20000) -> List[Dict[str, object]]:
+    """One row per trace: waste of the default list and of tuned sizes (tuned on one seeded trace,
+    measured on a fresh one), and the graphs each needs to reach TARGET waste."""
+    default = default_capture_sizes(MAX_BS)
+    assert default == default_family(8)
+    rows = []
+    for name, make in TRACES.items():
+        train = histogram(make(np.random.default_rng(1), steps))
+        test = histogram(make(np.random.default_rng(2), steps))
+        tuned = choose_capture_sizes(train, len(default), MAX_BS)
+        needed = default_graphs_needed(test)
+        rows.append({
+            "trace": name, "steps": steps, "graphs": len(default), "default_sizes": default, "tuned_sizes": tuned,
+            "default_waste": padding_waste(test, default), "tuned_waste": padding_waste(test, tuned),
+            "tuned_eager_steps": uncovered_steps(test, tuned),
+            "default_graphs_for_target": None if needed is None else needed[0],
+            "default_step_for_target": None if needed is None else needed[1],
+            "tuned_graphs_for_target": tuned_graphs_needed(train, test),
+        })
+    return rows
+
+
+def format_study(rows: List[Dict[str, object]]) -> List[str]:
+    """The study as a Markdown table plus the tuned size lists."""
+    graphs = rows[0]["graphs"]
+    lines = [
+        f"| trace | default, {graphs} graphs | tuned, {graphs} graphs | tuned: eager steps "
+        f"| graphs for <= {TARGET:.0%}: default (step) | graphs for <= {TARGET:.0%}: tuned |",
+        "|" + "---|" * 6,
+    ]
+    for row in rows:
+        needed = ("never" if row["default_graphs_for_target"] is None
+                  else f"{row['default_graphs_for_target']} (step {row['default_step_for_target']})")
+        lines.append(f"| {row['trace']} | {100 * row['default_waste']:.2f} % | {100 * row['tuned_waste']:.2f} % "
+                     f"| {row['tuned_eager_steps']} of {row['steps']} | {needed} | {row['tuned_graphs_for_target']} |")
+    lines.append("")
+    lines += [f"tuned {graphs} sizes, {row['trace']}: {row['tuned_sizes']}" for row in rows]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20000, help="decode steps per trace")
     args = parser.parse_args()
-    default = default_capture_sizes(MAX_BS)
-    assert default == default_family(8)
-    header = (f"| trace | default, {len(default)} graphs | tuned, {len(default)} graphs | tuned: eager steps "
-              f"| graphs for <= {TARGET:.0%}: default (step) | graphs for <= {TARGET:.0%}: tuned |")
-    print(header)
-    print("|" + "---|" * 6)
-    for name, make in TRACES.items():
-        train = histogram(make(np.random.default_rng(1), args.steps))
-        test = histogram(make(np.random.default_rng(2), args.steps))
-        tuned = choose_capture_sizes(train, len(default), MAX_BS)
-        needed = default_graphs_needed(test)
-        needed_text = "never" if needed is None else f"{needed[0]} (step {needed[1]})"
-        print(f"| {name} | {100 * padding_waste(test, default):.2f} % | {100 * padding_waste(test, tuned):.2f} % "
-              f"| {uncovered_steps(test, tuned)} of {args.steps} | {needed_text} "
-              f"| {tuned_graphs_needed(train, test)} |")
-    print()
-    for name, make in TRACES.items():
-        train = histogram(make(np.random.default_rng(1), args.steps))
-        print(f"tuned {len(default)} sizes, {name}: {choose_capture_sizes(train, len(default), MAX_BS)}")
+    print("\n".join(format_study(study(args.steps))))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,14 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     assert throughput["eager_tokens_per_s"] > 0 and throughput["graph_tokens_per_s"] > 0
     assert doc["compile"]["enabled"] is False and doc["compile"]["skipped"]
     assert doc["runner_stats"]["eager_runs"] == 0 and doc["runner_stats"]["graph_runs"] > 0
+    for result in doc["ubatch"]:  # sizes above the largest batch size replay as micro-batches
+        assert result["batch_size"] > 3 and result["eager_runs_per_call"] == 0 and sum(result["pieces"].values()) >= 2
+        assert result["max_abs_diff"] <= 1e-4
+    assert all("debug_cost" in batch["times_us"] for batch in doc["batches"])
+    study = doc["capture_sizes_study"]
+    assert [row["trace"] for row in study] == ["uniform 1..64", "Poisson mean 12", "bursty 1-4 / 48-64"]
+    assert all(row["tuned_waste"] <= row["default_waste"] for row in study), "tuned sizes never pad more"
+    assert "graphs for <= 5%" in printed
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench_cpu_tiny.png").stat().st_size > 0
 
