@@ -51,12 +51,21 @@ class TorchNativeAttnBackend:
     # ---- metadata -------------------------------------------------------------------------
 
     def _compute_metadata(self, forward_batch: ForwardBatch, out: Optional[AttnMetadata] = None) -> AttnMetadata:
-        """Metadata for a batch, written into ``out`` when given (fresh tensors otherwise); no host reads."""
-        token_req, last_pos = token_requests(forward_batch)
-        rows = forward_batch.req_pool_indices.to(torch.int64)[token_req]
+        """Metadata for a batch, written into ``out`` when given (fresh tensors otherwise); no host reads.
+
+        DECODE takes two ops (token t is request t and sees its first seq_lens[t] slots);
+        EXTEND/MIXED first map tokens to their requests and positions.
+        """
         kv_out, mask_out = (out.kv_indices, out.mask) if out is not None else (None, None)
+        arange = self._context_arange.unsqueeze(0)
+        if forward_batch.forward_mode.is_decode_or_idle():
+            rows = forward_batch.req_pool_indices
+            mask = torch.lt(arange, forward_batch.seq_lens.unsqueeze(1), out=mask_out)
+        else:
+            token_req, last_pos = token_requests(forward_batch)
+            rows = forward_batch.req_pool_indices[token_req]
+            mask = torch.le(arange, last_pos.unsqueeze(1), out=mask_out)
         kv_indices = torch.index_select(self.req_to_token_pool.req_to_token, 0, rows, out=kv_out)
-        mask = torch.le(self._context_arange.unsqueeze(0), last_pos.unsqueeze(1), out=mask_out)
         return AttnMetadata(kv_indices, mask)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
