@@ -197,8 +197,8 @@ class ReplayDispatcher(GraphDispatcher):
         if batch.forward_mode.is_extend():
             self._pad_extend(entry, batch, padding)
         static_batch.seq_lens_sum = batch.seq_lens_sum + padding * self.seq_lens_pad
-        static_batch.seq_lens_cpu = self._stage_seq_lens_cpu(batch, entry.key.num_reqs)
-        if self._replay_hook is not None:
+        if self._replay_hook is not None:  # the padded host mirror exists for the hook alone
+            static_batch.seq_lens_cpu = self._stage_seq_lens_cpu(batch, entry.key.num_reqs)
             self._replay_hook(static_batch)
         return self.replay(entry, num_tokens, num_reqs)
 
