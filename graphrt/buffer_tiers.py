@@ -188,7 +188,6 @@ class PredictiveBufferManager(InputBufferManager):
     def __init__(self, *args, history: int = 256, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.history: Deque[int] = deque(maxlen=history)
-        self.warmed: List[int] = []
 
     def record_usage(self, num_tokens: int) -> None:
         """Remember one step's token count."""
@@ -207,7 +206,6 @@ class PredictiveBufferManager(InputBufferManager):
         sizes = self.predict_next_sizes(n)
         for size in sizes:
             self.get_static_tensors(num_tokens=size, num_reqs=min(size, self.max_batch_size))
-        self.warmed = sizes
         return sizes
 
 
