@@ -176,8 +176,7 @@ class GraphedCallable:
         """Same counters as GraphRunner.stats()."""
         result = self.stats_counters.as_dict()
         result["backend"] = self.backend_name
-        result["key_hits"] = {str(key): entry.hits for key, entry in self.registry.entries.items() if entry.hits}
-        result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
+        result.update(self.registry.summary())
         return result
 
 

@@ -196,6 +196,14 @@ class GraphRegistry:
         self.grids.pop(mode, None)
         self._by_rows.pop(mode, None)
 
+    def summary(self) -> Dict[str, Any]:
+        """Per-key counters for ``stats()``: replays per key, captured keys, and why keys are out of use."""
+        return {
+            "key_hits": {str(key): entry.hits for key, entry in self.entries.items() if entry.hits},
+            "captured_keys": [str(key) for key in self.ready_keys()],
+            "failed_keys": {str(key): entry.reason for key, entry in self.entries.items() if entry.reason is not None},
+        }
+
     def ready_keys(self) -> Iterable[GraphKey]:
         return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
 

@@ -353,10 +353,6 @@ class GraphRunner:
         result = self.stats_counters.as_dict()
         result["backend"] = self.backend_name
         result["capture_sizes"] = list(self.capture_sizes)
-        result["key_hits"] = {str(key): entry.hits for key, entry in self.registry.entries.items() if entry.hits}
-        result["captured_keys"] = [str(key) for key in self.registry.ready_keys()]
-        result["failed_keys"] = {
-            str(key): entry.reason for key, entry in self.registry.entries.items() if entry.reason is not None
-        }
+        result.update(self.registry.summary())
         result["static_input_bytes"] = self.buffers.static_bytes()
         return result
