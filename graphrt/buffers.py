@@ -283,17 +283,8 @@ class InputBufferManager:
             expected = {RowAxis.TOKENS: num_tokens, RowAxis.REQUESTS: num_reqs}.get(slot.axis, data.shape[0])
             if slot.axis is not RowAxis.FIXED and data.shape[0] != expected:
                 raise ValueError(f"{slot.name}: expected {expected} rows, got {data.shape[0]}")
-        self.stage_rows(slots, [inputs[slot.name] for slot in slots], num_tokens, num_reqs)
-
-    def stage_rows(
-        self,
-        slots: Sequence[InputSlot],
-        live: Sequence[torch.Tensor],
-        num_tokens: int,
-        num_reqs: int,
-    ) -> None:
-        """Stage already-checked tensors into ``slots`` (one-off; hot paths keep a StagingPlan)."""
-        StagingPlan(slots).stage(live, num_tokens, num_reqs)
+        # A one-off plan: hot paths keep their StagingPlan across steps.
+        StagingPlan(slots).stage([inputs[slot.name] for slot in slots], num_tokens, num_reqs)
 
     def get_static_tensors(self, num_tokens: Optional[int] = None, num_reqs: Optional[int] = None) -> Dict[str, torch.Tensor]:
         """Views of every static tensor cut to the given row counts (whole tensors when None)."""
