@@ -28,6 +28,7 @@ class EagerReason(str, enum.Enum):
     """Why a step ran eagerly instead of replaying a graph (a fixed set, each counted)."""
 
     GRAPHS_DISABLED = "graphs_disabled"  # backend="eager" or GRAPHRT_DISABLE=1
+    WARMUP = "warmup"  # wrap(): a size's first call is its warm-up, run eagerly as the real step
     NOT_CAPTURED = "not_captured"  # capture() has not run (or was interrupted) for this key
     MODE_NOT_CAPTURED = "mode_not_captured"
     BATCH_TOO_LARGE = "batch_too_large"

@@ -1,9 +1,14 @@
 """GraphedCallable: graph capture/replay for any callable of tensors (what ``wrap()`` returns).
 
-The first call (or ``capture(...)``) fixes the signature: tensors whose first dimension is the
-batch are padded into static buffers; every other tensor must keep its shape, dtype and device
-(it is copied into a static buffer each call); non-tensor arguments must equal the captured
-values. A call that differs runs eagerly with reason ``shape_mismatch``.
+The first call fixes the signature: tensors whose first dimension is the batch are padded into
+static buffers; every other tensor must keep its shape, dtype and device (it is copied into a
+static buffer each call); non-tensor arguments must equal the first call's values. A call that
+differs runs eagerly with reason ``shape_mismatch``.
+
+Like torch.compile's CUDA-graph trees, graphs are captured on real calls and nothing runs
+twice: the first ``warmup_iters`` calls of a padded size run ``fn`` eagerly as those calls'
+real steps, the next one records on its own staged inputs (every write the recording makes
+undone) and replays once to return its output, and later calls replay.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class GraphedCallable:
         max_batch_size: int,
         capture_sizes: Optional[Sequence[int]] = None,
         backend: str = "auto",
-        warmup_iters: int = 2,
+        warmup_iters: int = 1,
         copy_outputs: bool = False,
         progress: bool = False,
         debug: Optional[bool] = None,
@@ -78,6 +83,8 @@ class GraphedCallable:
         requested = resolve_backend_name(backend)
         self.backend_name = "eager" if graphs_disabled_by_env() else requested
         self.progress = progress
+        self.warmup_iters = warmup_iters
+        self._warm_calls: Dict[GraphKey, int] = {}
         self.stats_counters = RuntimeStats()
         self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters)
         self.dispatcher = GraphDispatcher(
@@ -92,13 +99,25 @@ class GraphedCallable:
         self._lock = threading.Lock()
 
     def capture(self, *args: Any, **kwargs: Any) -> CaptureReport:
-        """Fix the signature from these example arguments and capture every size."""
+        """Fix the signature from these example arguments and capture every size up front.
+
+        Each size warms up and records on the example's rows (padded, or cut to the size);
+        every write to the model's tensors is undone, so the model's state is as before.
+        """
         with self._lock:
-            self._record_signature(args, kwargs)
+            if self.buffers is None:
+                self._record_signature(args, kwargs)
+            elif self._match(args, kwargs)[1] is not None:
+                raise ValueError("args: expected the signature of the first call (same kinds, shapes and constants)")
             if self.backend_name == "eager":
                 return CaptureReport()
-            self.registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes), self._static_arguments)
-            return self.registry.capture_all(self._make_callable, progress=self.progress)
+            rows = self._batch_rows(args, kwargs)
+
+            def stage_example(entry: GraphEntry) -> None:
+                size = min(rows, entry.key.num_tokens)
+                self._stage(args, kwargs, size, lambda value: value[:size])
+
+            return self.registry.capture_all(self._make_callable, stage_example, progress=self.progress)
 
     def _record_signature(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         tensors = [value for value in list(args) + list(kwargs.values()) if isinstance(value, torch.Tensor) and value.dim()]
@@ -112,6 +131,8 @@ class GraphedCallable:
         self._batched = [spec for spec in specs if spec.kind is ArgKind.BATCHED]
         self._staged = [spec for spec in specs if spec.slot is not None]
         self._plan = StagingPlan([spec.slot for spec in self._staged])
+        if self.backend_name != "eager":
+            self.registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes), self._static_arguments)
 
     def _arg_spec(self, name: Union[int, str], value: Any, batch_size: int) -> ArgSpec:
         if not isinstance(value, torch.Tensor):
@@ -136,22 +157,52 @@ class GraphedCallable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the smallest captured size that fits, else run ``fn`` eagerly."""
-        if self.buffers is None:
-            self.capture(*args, **kwargs)
         with self._lock:
+            if self.buffers is None:
+                self._record_signature(args, kwargs)
             batch_size, reason = self._match(args, kwargs)
             if batch_size:
                 self.stats_counters.record_size(MODE, batch_size)
             if reason is None:
                 decision = self.dispatcher.lookup(MODE, batch_size, batch_size)
                 reason = decision.reason
+                if reason is EagerReason.NOT_CAPTURED:
+                    return self._warm_up_or_record(decision.entry, batch_size, args, kwargs)
             if reason is not None:
-                self.stats_counters.record_eager(reason.value, batch_size)
-                with torch.no_grad():
-                    return self.fn(*args, **kwargs)
-            live = [args[spec.name] if isinstance(spec.name, int) else kwargs[spec.name] for spec in self._staged]
-            self._plan.stage(live, batch_size, batch_size)
+                return self._run_eager(reason, batch_size, args, kwargs)
+            self._stage(args, kwargs, batch_size)
             return self.dispatcher.replay(decision.entry, batch_size, batch_size)
+
+    def _warm_up_or_record(self, entry: GraphEntry, batch_size: int, args: tuple, kwargs: dict) -> Any:
+        """A size's first calls are its warm-up, run eagerly as the real step; the next records
+        on its staged inputs (the recording's writes undone) and replays once for its output."""
+        warm_calls = self._warm_calls.get(entry.key, 0)
+        if warm_calls < self.warmup_iters:
+            self._warm_calls[entry.key] = warm_calls + 1
+            with self.registry.backend.warmup_context():
+                return self._run_eager(EagerReason.WARMUP, batch_size, args, kwargs)
+        self._stage(args, kwargs, batch_size)
+        with self.registry.backend.capture_session():
+            captured = self.registry.capture_entry(entry, self._make_callable(entry), warmup_iters=0)
+        if not captured:
+            return self._run_eager(EagerReason.CAPTURE_FAILED, batch_size, args, kwargs)
+        return self.dispatcher.replay(entry, batch_size, batch_size)
+
+    def _run_eager(self, reason: EagerReason, batch_size: int, args: tuple, kwargs: dict) -> Any:
+        self.stats_counters.record_eager(reason.value, batch_size)
+        with torch.no_grad():
+            return self.fn(*args, **kwargs)
+
+    def _stage(self, args: tuple, kwargs: dict, rows: int, cut: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """Copy the call's tensors into the static slots (batched ones padded above ``rows``)."""
+        live = [args[spec.name] if isinstance(spec.name, int) else kwargs[spec.name] for spec in self._staged]
+        if cut is not None:
+            live = [cut(value) if spec.kind is ArgKind.BATCHED else value for spec, value in zip(self._staged, live)]
+        self._plan.stage(live, rows, rows)
+
+    def _batch_rows(self, args: tuple, kwargs: dict) -> int:
+        spec = self._batched[0]
+        return (args[spec.name] if isinstance(spec.name, int) else kwargs[spec.name]).shape[0]
 
     def _match(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, Optional[EagerReason]]:
         """The batch size, and SHAPE_MISMATCH when the call differs from the captured signature."""

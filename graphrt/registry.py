@@ -15,6 +15,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 
 from .backends.base import CapturedGraph, GraphBackend
 from .batch import ForwardMode
+from .capture import capture_graph
 from .sizes import SizeGrid, build_pad_table
 
 logger = logging.getLogger(__name__)
@@ -173,14 +174,28 @@ class GraphRegistry:
         try:
             if before_capture is not None:
                 before_capture(entry)
-            entry.graph = self.backend.capture(make_callable(entry), self.warmup_iters)
+            fn = make_callable(entry)
         except Exception as error:  # a failed capture disables only this key
-            entry.status, entry.reason = GraphStatus.FAILED, f"{type(error).__name__}: {error}"
-            logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
+            self._mark_failed(entry, error)
         else:
-            entry.status, entry.pool_bytes = GraphStatus.READY, entry.graph.pool_bytes
+            self.capture_entry(entry, fn, self.warmup_iters)
         entry.seconds = time.perf_counter() - start
         return KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds, entry.pool_bytes, entry.reason)
+
+    def capture_entry(self, entry: GraphEntry, fn: Callable[[], Any], warmup_iters: int) -> bool:
+        """Warm up and capture one key, every write to the model's tensors undone; a failure
+        marks the key FAILED with the reason (its steps run eagerly). True when READY."""
+        try:
+            entry.graph = capture_graph(self.backend, fn, warmup_iters)
+        except Exception as error:  # a failed capture disables only this key
+            self._mark_failed(entry, error)
+            return False
+        entry.status, entry.pool_bytes = GraphStatus.READY, entry.graph.pool_bytes
+        return True
+
+    def _mark_failed(self, entry: GraphEntry, error: Exception) -> None:
+        entry.status, entry.reason = GraphStatus.FAILED, f"{type(error).__name__}: {error}"
+        logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
 
     def disable(self, key: GraphKey, reason: str) -> None:
         """Take ``key`` out of use (its steps run eagerly) and drop its graph."""

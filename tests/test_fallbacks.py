@@ -49,11 +49,16 @@ def test_replay_failure_reruns_eagerly_once_and_disables_key():
     model = FlakyModel()
     runner = runner_for(model)
     runner.capture()
+    key = next(key for key in runner.registry.entries if key.num_reqs == 4)
+
+    def failing_replay():
+        raise RuntimeError("simulated failure")
+
+    runner.registry.entries[key].graph.replay = failing_replay
     model.fail_now = True
     with pytest.raises(RuntimeError, match="simulated failure"):
         runner(decode_batch(3, seed=1))  # replay raised, the eager re-run raised too: the error surfaces
     model.fail_now = False
-    key = next(key for key in runner.registry.entries if key.num_reqs == 4)
     assert runner.registry.entries[key].status is GraphStatus.DISABLED
     runner(decode_batch(3, seed=2))
     assert runner.stats()["eager_reasons"] == {"replay_failed": 1, "disabled": 1}

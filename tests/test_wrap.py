@@ -32,14 +32,19 @@ def test_wrapped_mlp_matches_eager_for_random_batch_sizes(backend_device):
             batch_size = rng.randint(1, 32)
             x = torch.randn(batch_size, 16, device=device)
             mask = torch.rand(batch_size, 1, device=device)
+            warmups = fast.stats()["eager_reasons"].get("warmup", 0)
             out = fast(x, bias, mask=mask, scale=0.5)
+            torch.testing.assert_close(out, fn(x, bias, mask=mask, scale=0.5), atol=1e-5, rtol=1e-5)
+            if fast.stats()["eager_reasons"].get("warmup", 0) > warmups:
+                continue  # a padded size's first call is its warm-up: the real step, run eagerly
             padded = 1 << (batch_size - 1).bit_length()
             x_pad = torch.cat([x, x.new_zeros(padded - batch_size, 16)])
             mask_pad = torch.cat([mask, mask.new_zeros(padded - batch_size, 1)])
             assert torch.equal(out, fn(x_pad, bias, mask=mask_pad, scale=0.5)[:batch_size])
-            torch.testing.assert_close(out, fn(x, bias, mask=mask, scale=0.5), atol=1e-5, rtol=1e-5)
     stats = fast.stats()
-    assert stats["graph_runs"] == 40 and stats["eager_runs"] == 0
+    warmups = stats["eager_reasons"]["warmup"]
+    assert warmups == len(stats["captured_keys"]) and stats["graph_runs"] + warmups == 40
+    assert stats["eager_runs"] == warmups
 
 
 def test_non_batch_tensors_are_staged_each_call():
@@ -63,8 +68,8 @@ def test_shape_mismatch_falls_back_to_eager_with_reason():
             fast(torch.randn(3, 15))  # eager too: the model itself rejects it
         fast(torch.randn(9, 16))
     reasons = fast.stats()["eager_reasons"]
-    assert reasons == {"shape_mismatch": 2, "batch_too_large": 1}
-    assert fast.stats()["graph_runs"] == 3
+    assert reasons == {"warmup": 1, "shape_mismatch": 2, "batch_too_large": 1}
+    assert fast.stats()["graph_runs"] == 2  # bs=3 and bs=4 share the bs=4 graph; its first call warmed up
 
 
 def test_wrap_needs_a_batched_tensor():

@@ -13,7 +13,7 @@ class CapturedGraph(Protocol):
     writing into ``outputs`` (the same tensors every replay)."""
 
     outputs: Any
-    flat_outputs: List[torch.Tensor]
+    flat_outputs: List[Any]
     pool_bytes: Optional[int]
 
     def replay(self) -> None:
@@ -21,12 +21,16 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures callables into replayable graphs."""
+    """Captures callables into replayable graphs; warm-up and undo live in graphrt.capture."""
 
     name: str
+    capture_executes: bool  # True when capture runs the step's ops (its writes must be undone)
 
     def capture_session(self) -> AbstractContextManager:
         """Context for capturing many keys: one gc.collect(), garbage collector off inside."""
 
-    def capture(self, fn: Callable[[], Any], warmup_iters: int) -> CapturedGraph:
-        """Warm ``fn`` up ``warmup_iters`` times, then capture one call of it."""
+    def warmup_context(self) -> AbstractContextManager:
+        """Where warm-up runs execute (CUDA: the capture stream, so lazy state binds to it)."""
+
+    def capture(self, fn: Callable[[], Any]) -> CapturedGraph:
+        """Capture one call of ``fn`` (already warmed up)."""

@@ -30,6 +30,7 @@ class CudaGraphBackend:
     so smaller graphs reuse the blocks the largest one reserved)."""
 
     name = "cuda"
+    capture_executes = False  # kernels are recorded, not run: capture writes nothing
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         if not torch.cuda.is_available():
@@ -51,16 +52,24 @@ class CudaGraphBackend:
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)
 
-    def capture(self, fn: Callable[[], Any], warmup_iters: int) -> CudaGraph:
+    @contextmanager
+    def _on_capture_stream(self) -> Iterator[None]:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.no_grad(), torch.cuda.stream(self.stream):
-            for _ in range(warmup_iters):
-                fn()
-        self.stream.synchronize()
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
+
+    def warmup_context(self) -> AbstractContextManager:
+        return self._on_capture_stream()
+
+    def capture(self, fn: Callable[[], Any]) -> CudaGraph:
+        torch.cuda.synchronize(self.device)
         reserved_before = self._reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.stream(self.stream):
+        with self._on_capture_stream():
             graph.capture_begin(pool=self.pool)
             try:
                 outputs = fn()
@@ -68,7 +77,6 @@ class CudaGraphBackend:
                 self._abandon(graph)
                 raise
             graph.capture_end()
-        current.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._reserved() - reserved_before)
 

@@ -1,44 +1,46 @@
-"""CPU backend with the exact CUDA-graph contract, so tests prove staging and dispatch for real.
+"""CPU backend with the CUDA-graph contract: capture records the step's aten ops, replay runs them.
 
-Replay re-runs the captured callable, which reads the static input tensors as they are
-*now*, and copies its results into the output tensors returned at capture time.
+Replay never enters the model's Python: branches and Python scalars are frozen at capture,
+the tensors the step read (static inputs, parameters, caches) are read live, in-place writes
+are applied to them, and outputs land in the same tensors every replay. A host sync in the
+step fails the capture, as on CUDA. So a model that breaks under a CUDA graph breaks here.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, List, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .op_graph import OpGraph, OpRecorder, build_op_graph
 from .session import gc_frozen
 
 
 class EmulatedGraph:
-    """A "graph" that replays by calling the function and writing into the captured outputs."""
+    """A recorded op graph plus the output tensors every replay writes."""
 
-    def __init__(self, fn: Callable[[], Any], outputs: Any) -> None:
-        self._fn = fn
+    def __init__(self, op_graph: OpGraph, outputs: Any) -> None:
+        self.op_graph = op_graph
         self.outputs = outputs
-        self.flat_outputs: List[torch.Tensor] = tree_flatten(outputs)[0]
-        self.pool_bytes: Optional[int] = sum(t.numel() * t.element_size() for t in self.flat_outputs)
+        self.flat_outputs: List[Any] = tree_flatten(outputs)[0]
+        self.pool_bytes: Optional[int] = sum(t.numel() * t.element_size() for t in op_graph.copy_targets)
+        self._forward = op_graph.module.forward
+        self._targets = op_graph.copy_targets
 
     def replay(self) -> None:
-        fresh = tree_flatten(self._fn())[0]
-        for static, new in zip(self.flat_outputs, fresh):
-            if static.shape != new.shape:
-                raise RuntimeError(
-                    f"replay produced an output of shape {list(new.shape)} where capture produced "
-                    f"{list(static.shape)}: the model's output shape must depend only on the input shapes"
-                )
-        torch._foreach_copy_(self.flat_outputs, fresh)
+        with torch.no_grad():
+            fresh = self._forward()
+            if fresh:
+                torch._foreach_copy_(self._targets, fresh)
 
 
 class EmulatedBackend:
-    """Graph backend for machines without CUDA: same static-buffer semantics, eager execution."""
+    """Graph backend for machines without CUDA: records at capture, replays the recording."""
 
     name = "emulated"
+    capture_executes = True  # recording runs the ops, so capture's writes must be undone
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = device
@@ -46,9 +48,10 @@ class EmulatedBackend:
     def capture_session(self) -> AbstractContextManager:
         return gc_frozen()
 
-    def capture(self, fn: Callable[[], Any], warmup_iters: int) -> EmulatedGraph:
-        with torch.no_grad():
-            for _ in range(warmup_iters):
-                fn()
+    def warmup_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def capture(self, fn: Callable[[], Any]) -> EmulatedGraph:
+        with OpRecorder() as recorder:
             outputs = fn()
-        return EmulatedGraph(torch.no_grad()(fn), outputs)
+        return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs)

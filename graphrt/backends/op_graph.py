@@ -1,0 +1,233 @@
+"""Record one call of a step as a graph of aten ops, and build a replayable module from it.
+
+Recording runs the step once under a ``TorchDispatchMode``: every aten op is executed and
+kept with its arguments and the model source line that issued it. Tensors no recorded op
+produced (static inputs, parameters, KV caches) are *external*: the graph keeps the very
+tensor objects and reads their current contents on every replay, as a CUDA graph keeps
+their addresses. Python scalars and branches are frozen into the graph. Ops that need the
+host to read device memory (``.item()``, ``nonzero``, boolean-mask indexing, ...) raise
+``HostSyncError`` naming the op and the model line: a CUDA capture fails on them too.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from unittest import mock
+
+import torch
+import torch.fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPHRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODEL_DIRS = (os.path.join(_GRAPHRT_DIR, "reference") + os.sep,)  # graphrt code that is "the model"
+_HOST_READ_METHODS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
+_PLAIN_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_aten = torch.ops.aten
+
+
+class HostSyncError(RuntimeError):
+    """The captured step reads device memory on the host: a CUDA graph cannot capture it."""
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    """Where in the model's code an op was issued."""
+
+    filename: str
+    lineno: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+@dataclass
+class RecordedOp:
+    """One executed aten op: what ran, on what, what it returned, and the model line that ran it."""
+
+    func: Callable[..., Any]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    output: Any
+    source: Optional[SourceLine]
+
+    @property
+    def name(self) -> str:
+        return str(self.func)
+
+
+def model_source_line() -> Optional[SourceLine]:
+    """The innermost frame outside torch and graphrt's runtime: the model line being executed."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        inside_runtime = filename.startswith(_TORCH_DIR) or (
+            filename.startswith(_GRAPHRT_DIR) and not filename.startswith(_MODEL_DIRS)
+        )
+        if not inside_runtime and not filename.startswith("<"):
+            return SourceLine(filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[str]:
+    """Why ``func`` on these arguments would read device memory on the host, or None."""
+    if func is _aten.index.Tensor or func in (_aten.index_put_.default, _aten.index_put.default):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(index is not None and index.dtype in (torch.bool, torch.uint8) for index in indices):
+            return "boolean-mask indexing (its output size depends on the mask's values)"
+        return None
+    if func is _aten.repeat_interleave.Tensor:
+        return None if kwargs.get("output_size") is not None else "repeat_interleave without output_size"
+    tags = func.tags
+    if torch.Tag.data_dependent_output in tags:
+        return "it returns a value read from device memory"
+    if torch.Tag.dynamic_output_shape in tags:
+        return "its output shape depends on tensor values"
+    return None
+
+
+class _HostReadGuard(TorchFunctionMode):
+    """Catches host reads that never reach the dispatcher on CPU (``tolist``, ``numpy``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        name = _HOST_READ_METHODS.get(func)
+        if name is not None:
+            raise HostSyncError(_host_sync_message(name, "it copies tensor values to the host", model_source_line()))
+        return func(*args, **(kwargs or {}))
+
+
+def _host_sync_message(op: str, why: str, source: Optional[SourceLine]) -> str:
+    where = f" at {source}" if source is not None else ""
+    return (
+        f"host sync in the captured step: {op}{where}: {why}. A CUDA graph cannot capture it "
+        "('operation not permitted when stream is capturing'); keep the step's values on the device"
+    )
+
+
+def _capturing() -> bool:
+    return True
+
+
+class OpRecorder(TorchDispatchMode):
+    """Executes and records every aten op of the block; raises HostSyncError on host reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[RecordedOp] = []
+        self._host_guard = _HostReadGuard()
+
+    def __enter__(self) -> "OpRecorder":
+        with ExitStack() as stack:
+            stack.enter_context(self._host_guard)
+            # Code with a capture-safe path (transformers' is_tracing, for one) takes it, as on CUDA.
+            stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", _capturing))
+            super().__enter__()
+            self._exit_stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._exit_stack.__exit__(*exc_info)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        why = host_sync_reason(func, args, kwargs)
+        if why is not None:
+            raise HostSyncError(_host_sync_message(str(func), why, model_source_line()))
+        output = func(*args, **kwargs)
+        self.ops.append(RecordedOp(func, args, kwargs, output, model_source_line()))
+        return output
+
+
+@dataclass
+class OpGraph:
+    """A recorded step as an FX module: calling ``forward()`` re-runs every op on the external
+    tensors' current contents and returns the fresh outputs that must be copied out."""
+
+    module: torch.fx.GraphModule
+    ops: List[RecordedOp]
+    externals: List[torch.Tensor]
+    copy_targets: List[torch.Tensor]  # captured outputs in fresh memory, refreshed every replay
+
+
+def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
+    """Turn recorded ops into straight-line FX code; ``outputs`` is what the step returned."""
+    graph = torch.fx.Graph()
+    root = torch.nn.Module()
+    nodes: Dict[int, torch.fx.Node] = {}
+    externals: List[torch.Tensor] = []
+    constants = 0
+
+    def to_node_arg(value: Any) -> Any:
+        nonlocal constants
+        if isinstance(value, torch.Tensor):
+            node = nodes.get(id(value))
+            if node is None:  # not produced by a recorded op: read live at every replay
+                name = f"external_{len(externals)}"
+                externals.append(value)
+                if isinstance(value, torch.nn.Parameter):
+                    root.register_parameter(name, value)
+                else:
+                    root.register_buffer(name, value, persistent=False)
+                node = nodes[id(value)] = graph.get_attr(name)
+            return node
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_node_arg(item) for item in value)
+        if isinstance(value, _PLAIN_CONSTANTS):
+            return value
+        name = f"constant_{constants}"  # e.g. a torch.Generator: kept as an attribute, not as code
+        constants += 1
+        setattr(root, name, value)
+        return graph.get_attr(name)
+
+    for op in ops:
+        node = graph.call_function(op.func, tree_map(to_node_arg, op.args), tree_map(to_node_arg, op.kwargs))
+        if any(_is_work(leaf) for leaf in tree_flatten(op.output)[0]):
+            graph.call_function(wait_collectives, (node,))
+        if isinstance(op.output, torch.Tensor):
+            nodes[id(op.output)] = node
+        elif isinstance(op.output, (list, tuple)):
+            for index, item in enumerate(op.output):
+                if isinstance(item, torch.Tensor):
+                    nodes[id(item)] = graph.call_function(operator.getitem, (node, index))
+
+    external_storages = {_storage_key(tensor) for tensor in externals}
+    copy_targets, returned = [], []
+    for leaf in tree_flatten(outputs)[0]:
+        if not isinstance(leaf, torch.Tensor) or id(leaf) not in nodes:
+            continue  # external tensors and Python values are returned as captured
+        if _storage_key(leaf) in external_storages:
+            continue  # a view of a static tensor: its memory is what the model wrote
+        copy_targets.append(leaf)
+        returned.append(nodes[id(leaf)])
+    graph.output(returned)
+    return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), ops, externals, copy_targets)
+
+
+def _is_work(value: Any) -> bool:
+    """A c10d collective's handle (what ``dist.all_reduce`` waits on before it returns)."""
+    if isinstance(value, torch.ScriptObject):
+        return value._type().qualified_name().endswith("c10d.Work")
+    return type(value).__name__ == "Work" and hasattr(value, "wait")
+
+
+def wait_collectives(output: Any) -> None:
+    """Wait for the collectives an op started: eager ``dist.all_reduce`` waits before returning."""
+    for leaf in tree_flatten(output)[0]:
+        if _is_work(leaf):
+            leaf.wait()
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
