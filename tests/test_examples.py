@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("script,expected", [
     ("examples/wrap_callable.py", "graph runs"),
     ("examples/decode_loop.py", "same tokens: True"),
+    pytest.param("examples/hf_decode.py", "same tokens: True",
+                 marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
 ])
 def test_example_runs(script, expected):
     result = subprocess.run([sys.executable, str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,
