@@ -111,8 +111,8 @@ def test_eager_static_cache_decode_is_self_consistent(kind):
 
 @pytest.mark.parametrize("kind", MODELS)
 def test_static_cache_greedy_decode_matches_eager(kind):
-    # FAILS today: capture runs step() 3 extra times (2 warm-ups + capture), each one advancing
-    # StaticLayer.cumulative_length and writing duplicate K/V rows into the cache.
+    # Any extra run of step() during capture would advance StaticLayer.cumulative_length and
+    # write duplicate K/V rows: the tokens and the final cache length both catch it.
     model = tiny_causal_lm(kind)
     prompt = make_prompt()
     expected, eager_cache, _ = greedy_decode(copy.deepcopy(model), prompt, wrapped=False)
@@ -246,7 +246,7 @@ class CountingModule(torch.nn.Module):
 
 
 def test_in_place_buffer_update_runs_once_per_call():
-    # FAILS today: capture runs forward() 3 extra times (2 warm-ups + capture), so steps == 8.
+    # One warm-up call (eager), one recorded call (its recording undone, then replayed), then replays.
     module = CountingModule().to(DEVICE)
     fast = graphrt.wrap(module, max_batch_size=4, capture_sizes=[4])
     with torch.no_grad():
