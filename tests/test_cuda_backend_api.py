@@ -1,0 +1,96 @@
+"""The CUDA backend's calls checked against torch.cuda's real signatures, on any machine.
+
+No GPU is needed: every torch.cuda entry point the backend touches is replaced by an autospec
+of the real one, so a call with a wrong name or argument raises TypeError here as it would on a
+GPU. The shared capture sequence (warm-up on the capture stream, undo, then capture) runs for
+real around the mocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+from graphrt.backends.cuda import CudaGraphBackend
+from graphrt.capture import capture_graph
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda with autospecced functions; records the order of stream and graph events."""
+    events = []
+    stream_type = mock.create_autospec(torch.cuda.Stream)
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        events.append(("enter stream", stream))
+        try:
+            yield
+        finally:
+            events.append(("exit stream", stream))
+
+    main_stream = mock.create_autospec(torch.cuda.Stream, instance=True)
+    graph_type = mock.create_autospec(torch.cuda.CUDAGraph)
+    graph = graph_type.return_value
+    graph.capture_begin.side_effect = lambda **kwargs: events.append(("capture_begin", kwargs))
+    graph.capture_end.side_effect = lambda: events.append(("capture_end",))
+    fakes = {
+        "is_available": mock.create_autospec(torch.cuda.is_available, return_value=True),
+        "graph_pool_handle": mock.create_autospec(torch.cuda.graph_pool_handle, return_value=(0, 1)),
+        "Stream": stream_type,
+        "current_stream": mock.create_autospec(torch.cuda.current_stream, return_value=main_stream),
+        "stream": mock.create_autospec(torch.cuda.stream, side_effect=on_stream),
+        "synchronize": mock.create_autospec(torch.cuda.synchronize),
+        "memory_reserved": mock.create_autospec(torch.cuda.memory_reserved, return_value=0),
+        "CUDAGraph": graph_type,
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    fakes["main_stream"] = main_stream
+    return events, fakes
+
+
+def test_capture_calls_match_torch_cuda_signatures_and_order(fake_cuda):
+    events, fakes = fake_cuda
+    backend = CudaGraphBackend(torch.device("cuda", 0))
+    side_stream = fakes["Stream"].return_value
+    counter = torch.zeros((), dtype=torch.long)
+
+    def step():
+        events.append(("step", int(counter)))
+        counter.add_(1)
+        return counter * 2
+
+    with backend.capture_session():
+        graph = capture_graph(backend, step, warmup_iters=2)
+
+    fakes["Stream"].assert_called_once_with(device=torch.device("cuda", 0))
+    side_stream.wait_stream.assert_called_with(fakes["main_stream"])
+    fakes["main_stream"].wait_stream.assert_called_with(side_stream)
+    graph_mock = fakes["CUDAGraph"].return_value
+    graph_mock.capture_begin.assert_called_once_with(pool=(0, 1))
+    graph_mock.capture_end.assert_called_once_with()
+    assert graph.replay == graph_mock.replay
+    # Warm-ups run on the capture stream; their writes are undone before capture begins.
+    assert events == [
+        ("enter stream", side_stream), ("step", 0), ("step", 1), ("exit stream", side_stream),
+        ("enter stream", side_stream), ("capture_begin", {"pool": (0, 1)}), ("step", 0),
+        ("capture_end",), ("exit stream", side_stream),
+    ]
+
+
+def test_failed_capture_ends_the_capture_and_keeps_the_first_error(fake_cuda):
+    events, fakes = fake_cuda
+    backend = CudaGraphBackend(torch.device("cuda", 0))
+    fakes["CUDAGraph"].return_value.capture_end.side_effect = RuntimeError("capture invalidated")
+
+    def step():
+        raise ValueError("model error")
+
+    with pytest.raises(ValueError, match="model error"):
+        capture_graph(backend, step, warmup_iters=0)
+    fakes["CUDAGraph"].return_value.capture_end.assert_called_once_with()
+    assert events[-1] == ("exit stream", fakes["Stream"].return_value)
