@@ -217,6 +217,7 @@ class BatchResult:
     overhead_trivial_ops: Spread  # overhead in units of the median trivial op of the same rounds
     one_op_overhead_trivial_ops: Spread  # the same for a runner of one_op_model (no attention hook, no model noise)
     graph_speedup: float  # median eager / median graph
+    replay_speedup: float  # median eager / median raw replay (emulated: the model's Python saved)
 
 
 def one_op_model(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -300,6 +301,7 @@ def measure_batch(
         overhead_trivial_ops=times["overhead"].scaled(1.0 / times["trivial"].median),
         one_op_overhead_trivial_ops=times["one_op_overhead"].scaled(1.0 / times["trivial"].median),
         graph_speedup=times["eager"].median / times["graph"].median,
+        replay_speedup=times["eager"].median / times["replay"].median,
     )
 
 
