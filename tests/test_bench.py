@@ -32,7 +32,7 @@ def run_bench(bench, out: Path, *flags: str) -> dict:
 def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     doc = run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu")
     printed = capsys.readouterr().out
-    assert "backend: EMULATED" in printed and "not a speedup" in printed
+    assert "backend: EMULATED" in printed and "not a CUDA-graph speedup" in printed and "eager/raw replay" in printed
     assert doc["backend"] == "emulated" and doc["emulated"] is True and "EMULATED" in doc["backend_note"]
     assert doc["verified"] is True
     settings = doc["settings"]
@@ -53,6 +53,8 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
         assert spread["median"] > 0  # the trivial op
         assert math.isfinite(batch["overhead_trivial_ops"]["median"])
         assert math.isfinite(batch["one_op_overhead_trivial_ops"]["median"])
+        assert batch["replay_speedup"] == pytest.approx(
+            batch["times_us"]["eager"]["median"] / batch["times_us"]["replay"]["median"])
     capture = doc["capture"]
     assert capture["keys"] >= 2 and capture["seconds"] > 0 and not capture["failed"]
     assert capture["pool_bytes"] > 0 and "output bytes" in capture["pool_bytes_label"]
