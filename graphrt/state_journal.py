@@ -30,23 +30,23 @@ _METADATA_ONLY = frozenset({
 Undo = Tuple[Callable[..., Any], Tuple[Any, ...]]
 
 
-def _index_put_region(target: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Undo:
+def _index_put_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
     indices = [None if index is None else index.clone() for index in args[1]]
     return _aten.index_put_.default, (target, indices, _aten.index.Tensor(target, indices))
 
 
-def _index_dim_region(target: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Undo:
+def _index_dim_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
     dim, index = args[1], args[2].clone()
     return _aten.index_copy_.default, (target, dim, index, _aten.index_select.default(target, dim, index))
 
 
-def _scatter_region(target: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Undo:
+def _scatter_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
     dim, index = args[1], args[2].clone()
     return _aten.scatter_.src, (target, dim, index, _aten.gather.default(target, dim, index))
 
 
 # Writers that touch only indexed rows of ``self``: save those rows, not the whole tensor.
-_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Tuple[Any, ...], Dict[str, Any]], Undo]] = {
+_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Tuple[Any, ...]], Undo]] = {
     "index_put_": _index_put_region,
     "_index_put_impl_": _index_put_region,
     "index_copy_": _index_dim_region,
@@ -89,12 +89,12 @@ class StateJournal(TorchDispatchMode):
             targets = value if isinstance(value, (list, tuple)) else (value,)
             for target in targets:
                 if isinstance(target, torch.Tensor) and target.numel() and _storage_key(target) not in self._fresh:
-                    self._save(func, position, target, args, kwargs)
+                    self._save(func, position, target, args)
 
-    def _save(self, func: Any, position: int, target: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _save(self, func: Any, position: int, target: torch.Tensor, args: Tuple[Any, ...]) -> None:
         saver = _REGION_SAVERS.get(func._schema.name.split("::")[-1]) if position == 0 else None
         if saver is not None:
-            undo = saver(target, args, kwargs)
+            undo = saver(target, args)
         else:
             undo = _aten.copy_.default, (target, target.clone())
         saved = undo[1][-1]

@@ -5,8 +5,6 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Callable, List, Optional, Protocol
 
-import torch
-
 
 class CapturedGraph(Protocol):
     """A captured forward: ``replay()`` re-runs it reading the static inputs and
