@@ -64,16 +64,20 @@ class RecordedOp:
         return str(self.func)
 
 
+def is_model_file(filename: str) -> bool:
+    """True for the model's code: not torch, not graphrt's runtime, not ``<string>`` and the like."""
+    inside_runtime = filename.startswith(_TORCH_DIR) or (
+        filename.startswith(_GRAPHRT_DIR) and not filename.startswith(_MODEL_DIRS)
+    )
+    return not inside_runtime and not filename.startswith("<")
+
+
 def model_source_line() -> Optional[SourceLine]:
     """The innermost frame outside torch and graphrt's runtime: the model line being executed."""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        inside_runtime = filename.startswith(_TORCH_DIR) or (
-            filename.startswith(_GRAPHRT_DIR) and not filename.startswith(_MODEL_DIRS)
-        )
-        if not inside_runtime and not filename.startswith("<"):
-            return SourceLine(filename, frame.f_lineno, frame.f_code.co_name)
+        if is_model_file(frame.f_code.co_filename):
+            return SourceLine(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
 
@@ -98,10 +102,14 @@ def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict
 class _HostReadGuard(TorchFunctionMode):
     """Catches host reads that never reach the dispatcher on CPU (``tolist``, ``numpy``)."""
 
+    def __init__(self, on_host_sync: Callable[[str, str, Sequence[Any]], None]) -> None:
+        super().__init__()
+        self._on_host_sync = on_host_sync
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         name = _HOST_READ_METHODS.get(func)
         if name is not None:
-            raise HostSyncError(_host_sync_message(name, "it copies tensor values to the host", model_source_line()))
+            self._on_host_sync(name, "it copies tensor values to the host", args)
         return func(*args, **(kwargs or {}))
 
 
@@ -123,7 +131,7 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: List[RecordedOp] = []
-        self._host_guard = _HostReadGuard()
+        self._host_guard = _HostReadGuard(self.on_host_sync)
 
     def __enter__(self) -> "OpRecorder":
         with ExitStack() as stack:
@@ -144,10 +152,15 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         why = host_sync_reason(func, args, kwargs)
         if why is not None:
-            raise HostSyncError(_host_sync_message(str(func), why, model_source_line()))
+            self.on_host_sync(str(func), why, args)
         output = func(*args, **kwargs)
         self.ops.append(RecordedOp(func, args, kwargs, output, model_source_line()))
         return output
+
+    def on_host_sync(self, op: str, why: str, args: Sequence[Any]) -> None:
+        """A host read of device memory: raise HostSyncError, as a CUDA capture fails on it.
+        ``graphrt.check`` overrides this to note every host read of a step and go on."""
+        raise HostSyncError(_host_sync_message(op, why, model_source_line()))
 
 
 @dataclass
