@@ -1,23 +1,29 @@
-"""Decision, ReplayDispatcher: graph-or-eager per step, then staging, replay and output slicing.
+"""Decision, ReplayDispatcher: graph-or-eager per step, then staging, replay and output cutting.
 
 The per-step path reads only metadata (dtypes, shapes, Python ints) and never reads
 device memory: one table lookup, one fused staging copy, the attention replay hook,
-the replay, and a cached slice of the static outputs.
+the replay, and a cached cut of the static outputs. Outputs are cut along the batch axes
+learned from their shapes (graphrt.batch_axes); a padded step whose outputs cannot be cut
+runs eagerly instead.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+import logging
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .batch import ForwardBatch, ForwardMode
+from .batch_axes import CannotCut, CutPlan, OutputAxes
 from .buffers import InputBufferManager, InputSlot, StagingPlan
 from .debug import GenerationCounter, guard_outputs
 from .registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
 from .stats import RuntimeStats
+from .tensor_tree import flatten, is_plain_constant, leaf_paths, unflatten
+
+logger = logging.getLogger(__name__)
 
 CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
 DECODE_STAGED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
@@ -39,6 +45,10 @@ class EagerReason(str, enum.Enum):
     CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
     REPLAY_FAILED = "replay_failed"  # the replay raised; the step re-ran eagerly
     PEER_EAGER = "peer_eager"  # lockstep: another rank must run this step eagerly, so every rank does
+    AXIS_PROBE = "axis_probe"  # padded, and the outputs' batch axes are not known yet: this run's shapes show them
+    UNSLICEABLE_OUTPUT = "unsliceable_output"  # padded, and an output has no batch axis to cut the padding off
+    AUTOGRAD = "autograd"  # wrap(): grad mode on and an input requires grad; eager so gradients flow
+    AMBIGUOUS_BATCH_AXIS = "ambiguous_batch_axis"  # wrap(): padded, and an argument has the batch size in two dims
 
 
 STATUS_REASONS = {
@@ -63,20 +73,43 @@ class Decision(NamedTuple):
         return self.reason is None
 
 
-def slice_rows(outputs: Any, flat: Sequence[torch.Tensor], key: GraphKey, num_tokens: int, num_reqs: int) -> Any:
-    """Views of the static outputs without padding rows: a tensor whose first dim is the padded
-    token count is cut to the real tokens, one sized by padded requests to the real requests."""
-    sliced = []
-    for tensor in flat:
-        rows = tensor.shape[0] if tensor.dim() else None
-        if rows == key.num_tokens:
-            tensor = tensor[:num_tokens]
-        elif rows == key.num_reqs:
-            tensor = tensor[:num_reqs]
-        sliced.append(tensor)
-    if isinstance(outputs, torch.Tensor):
-        return sliced[0]
-    return tree_unflatten(sliced, tree_flatten(outputs)[1])
+class GraphOutputs:
+    """One replay's result for a given real size: the (cut) static output leaves and the value built from them."""
+
+    __slots__ = ("leaves", "structure", "value")
+
+    def __init__(self, leaves: List[Any], structure: Any) -> None:
+        self.leaves = leaves
+        self.structure = structure
+        self.value = unflatten(structure, iter(leaves))
+
+    def rebuild(self, leaves: List[Any]) -> Any:
+        return unflatten(self.structure, iter(leaves))
+
+
+def output_leaves_step(
+    entry: GraphEntry, step: Callable[[], Any], passthrough: Collection[int] = ()
+) -> Callable[[], List[Any]]:
+    """``step`` made to return its output leaves, which the backend keeps as the graph's outputs
+    (so tensors inside dataclasses are refreshed too); the structure goes on the entry to rebuild
+    results. An output leaf that is neither a tensor, a plain constant nor one of the objects
+    passed in (``passthrough``: their ids) fails the capture with a message naming it."""
+
+    def run() -> List[Any]:
+        leaves: List[Any] = []
+        structure = flatten(step(), leaves)
+        for path, leaf in zip(leaf_paths(structure, "output"), leaves):
+            if not isinstance(leaf, torch.Tensor) and not is_plain_constant(leaf) and id(leaf) not in passthrough:
+                kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+                raise TypeError(
+                    f"{path} is a {kind}, not a tensor pytree: a graph can return only tensors (in tuples, lists, "
+                    "dicts or dataclasses), plain constants, and objects passed in as arguments; return the "
+                    f"tensors you need from the {type(leaf).__name__} instead"
+                )
+        entry.output_structure = structure
+        return leaves
+
+    return run
 
 
 class GraphDispatcher:
@@ -89,35 +122,89 @@ class GraphDispatcher:
         self.stats = stats
         self.copy_outputs = copy_outputs
         self.debug = debug
+        self.axes = OutputAxes()
+        self.uncut_outputs: Dict[str, str] = {}  # key -> why its padded outputs cannot be cut
         self._generations: Dict[GraphKey, GenerationCounter] = {}
 
     def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
-        """Table lookup plus the key's status: the shared core of every adapter's decision."""
+        """Table lookup plus the key's status, and for a padded step whether its outputs can be cut."""
         entry, why = self.registry.lookup(mode, num_tokens, num_reqs)
         if entry is None:
             return Decision(None, EagerReason(why))
         if entry.status is not GraphStatus.READY:
             return Decision(entry, STATUS_REASONS[entry.status])
+        prepared = entry.result_cache.get((num_tokens, num_reqs))
+        if prepared is None:
+            prepared = self._prepare(entry, num_tokens, num_reqs)
+        if prepared.__class__ is EagerReason:
+            return Decision(entry, prepared)
         return Decision(entry, None)
+
+    def _prepare(self, entry: GraphEntry, num_tokens: int, num_reqs: int) -> Union[GraphOutputs, EagerReason]:
+        """The outputs a replay of ``entry`` returns for these real counts (cut, cached), or why not."""
+        leaves = entry.graph.outputs
+        if num_tokens != entry.key.num_tokens or num_reqs != entry.key.num_reqs:
+            plan = self._plan(entry.key.mode, entry.output_structure)
+            if isinstance(plan, CannotCut) and plan.final:
+                entry.result_cache[(num_tokens, num_reqs)] = EagerReason.UNSLICEABLE_OUTPUT
+                if str(entry.key) not in self.uncut_outputs:
+                    self.uncut_outputs[str(entry.key)] = plan.message
+                    logger.warning("padded steps of %s run eagerly: %s", entry.key, plan.message)
+                return EagerReason.UNSLICEABLE_OUTPUT
+            if isinstance(plan, CannotCut) or (plan.tokens_equal_requests and num_tokens != num_reqs):
+                return EagerReason.AXIS_PROBE  # not cached: the probe's observation may settle it
+            leaves = plan.apply(leaves, num_tokens, num_reqs)
+        prepared = entry.result_cache[(num_tokens, num_reqs)] = GraphOutputs(leaves, entry.output_structure)
+        return prepared
+
+    def _plan(self, mode: ForwardMode, structure: Any) -> Union[CutPlan, CannotCut]:
+        """The cut plan of one output structure, after observing every captured graph's outputs once."""
+        for entry in self.registry.entries.values():
+            if entry.status is GraphStatus.READY and not entry.outputs_observed:
+                key = entry.key
+                self.axes.observe(key.mode, key.num_tokens, key.num_reqs, entry.output_structure, entry.graph.outputs)
+                entry.outputs_observed = True
+        return self.axes.plan(mode, structure)
+
+    def observe_eager(self, mode: ForwardMode, num_tokens: int, num_reqs: int, outputs: Any) -> None:
+        """Learn output batch axes from an eager run's outputs (warm-up and probe runs)."""
+        leaves: List[Any] = []
+        structure = flatten(outputs, leaves)
+        self.axes.observe(mode, num_tokens, num_reqs, structure, leaves)
+
+    def cut_eager(self, key: GraphKey, outputs: Any, num_tokens: int, num_reqs: int) -> Any:
+        """Outputs of an eager run at ``key``'s padded size without the padding rows (lockstep)."""
+        leaves: List[Any] = []
+        structure = flatten(outputs, leaves)
+        self.axes.observe(key.mode, key.num_tokens, key.num_reqs, structure, leaves)
+        if (num_tokens, num_reqs) == (key.num_tokens, key.num_reqs):
+            return outputs
+        plan = self._plan(key.mode, structure)
+        if isinstance(plan, CannotCut):
+            raise ValueError(f"outputs of the padded eager step at {key}: cannot cut them to {num_tokens} real "
+                             f"rows: {plan.message}; capture at least two sizes per mode")
+        return unflatten(structure, iter(plan.apply(leaves, num_tokens, num_reqs)))
 
     def replay(self, entry: GraphEntry, num_tokens: int, num_reqs: int) -> Any:
         """Replay an already-staged entry and return its outputs cut to the real rows."""
-        graph = entry.graph
-        graph.replay()
-        result = entry.result_cache.get((num_tokens, num_reqs))
-        if result is None:
-            result = slice_rows(graph.outputs, graph.flat_outputs, entry.key, num_tokens, num_reqs)
-            entry.result_cache[(num_tokens, num_reqs)] = result
+        entry.graph.replay()
+        prepared = entry.result_cache.get((num_tokens, num_reqs))
+        if prepared is None or prepared.__class__ is EagerReason:
+            prepared = self._prepare(entry, num_tokens, num_reqs)
+            if prepared.__class__ is EagerReason:  # only a caller that skipped lookup() gets here (lockstep)
+                raise ValueError(f"graph {entry.key}: its outputs cannot be cut to {num_tokens} real rows "
+                                 f"({prepared.value}); capture at least two sizes per mode")
         entry.hits += 1
         self.stats.record_graph(num_tokens, entry.key.num_tokens)
         if self.copy_outputs:
-            return tree_map(torch.Tensor.clone, result)
+            copies = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in prepared.leaves]
+            return prepared.rebuild(copies)
         if self.debug:
             counter = self._generations.get(entry.key)
             if counter is None:
                 counter = self._generations[entry.key] = GenerationCounter(str(entry.key))
-            return guard_outputs(result, counter)
-        return result
+            return prepared.rebuild(guard_outputs(prepared.leaves, counter))
+        return prepared.value
 
     def disable(self, key: GraphKey, reason: str) -> None:
         """Take a key out of use; its steps run eagerly from now on."""
@@ -240,4 +327,7 @@ def static_batch_for(key: GraphKey, buffers: InputBufferManager, context: Dict[s
     )
 
 
-__all__: List[str] = ["EagerReason", "Decision", "GraphDispatcher", "ReplayDispatcher", "slice_rows", "static_batch_for"]
+__all__: List[str] = [
+    "EagerReason", "Decision", "GraphDispatcher", "GraphOutputs", "ReplayDispatcher", "output_leaves_step",
+    "static_batch_for",
+]

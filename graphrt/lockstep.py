@@ -22,10 +22,9 @@ from typing import Any, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 
 from .batch import ForwardBatch, ForwardMode
-from .dispatcher import Decision, EagerReason, GraphDispatcher, slice_rows
+from .dispatcher import Decision, EagerReason, GraphDispatcher
 from .registry import GraphEntry, GraphKey, GraphStatus
 
 logger = logging.getLogger(__name__)
@@ -118,11 +117,6 @@ class StepAgreement:
         if decision.reason is None and decision.entry.key in self.unready:
             return Decision(decision.entry, EagerReason.PEER_EAGER)
         return decision
-
-    def real_rows(self, outputs: Any, num_tokens: int, num_reqs: int) -> Any:
-        """Outputs of an eager step at the agreed size, cut to this rank's real rows."""
-        key = GraphKey(self.mode, self.num_tokens, self.num_reqs)
-        return slice_rows(outputs, tree_flatten(outputs)[0], key, num_tokens, num_reqs)
 
 
 class Lockstep:

@@ -56,6 +56,8 @@ class GraphEntry:
     pool_bytes: Optional[int] = None
     hits: int = 0
     result_cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
+    output_structure: Any = field(default=None, repr=False)  # how graph.outputs (leaves) rebuild the result
+    outputs_observed: bool = False  # its output shapes are in the dispatcher's batch-axis evidence
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from .backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from .batch import ForwardBatch, ForwardMode, debug_enabled
 from .buffers import BufferSpec, InputBufferManager, RowAxis
-from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, static_batch_for
+from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, output_leaves_step, static_batch_for
 from .lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
 from .sizes import SizeGrid, choose_capture_sizes, default_capture_sizes, normalize_capture_sizes
@@ -207,7 +207,11 @@ class GraphRunner:
 
         def make_callable(entry: GraphEntry) -> Callable[[], Any]:
             static_batch = entry.inputs
-            return lambda: self.model(static_batch.input_ids, static_batch.positions, static_batch)
+
+            def step() -> Any:
+                return self.model(static_batch.input_ids, static_batch.positions, static_batch)
+
+            return output_leaves_step(entry, step)
 
         with self._lock:
             report = self.registry.capture_all(make_callable, before_capture, progress=self.progress)
@@ -331,11 +335,16 @@ class GraphRunner:
                 raise
         self.stats_counters.record_eager(decision.reason.value, work.num_tokens)
         padded = pad_forward_batch(work, agreed.num_tokens, agreed.num_reqs, self.pad_values)
-        return agreed.real_rows(self._forward_eager(padded), work.num_tokens, work.batch_size)
+        key = GraphKey(agreed.mode, agreed.num_tokens, agreed.num_reqs)
+        return self.dispatcher.cut_eager(key, self._forward_eager(padded), work.num_tokens, work.batch_size)
 
     def _run_eager(self, batch: ForwardBatch, reason: EagerReason) -> Any:
-        self.stats_counters.record_eager(reason.value, batch.input_ids.shape[0])
-        return self._forward_eager(batch)
+        num_tokens = batch.input_ids.shape[0]
+        self.stats_counters.record_eager(reason.value, num_tokens)
+        outputs = self._forward_eager(batch)
+        if reason is EagerReason.AXIS_PROBE:
+            self.dispatcher.observe_eager(batch.forward_mode, num_tokens, batch.batch_size, outputs)
+        return outputs
 
     def _forward_eager(self, batch: ForwardBatch) -> Any:
         """The model on ``batch`` as given, with the runner's context objects filled in."""
@@ -354,5 +363,6 @@ class GraphRunner:
         result["backend"] = self.backend_name
         result["capture_sizes"] = list(self.capture_sizes)
         result.update(self.registry.summary())
+        result["uncut_outputs"] = dict(self.dispatcher.uncut_outputs)
         result["static_input_bytes"] = self.buffers.static_bytes()
         return result

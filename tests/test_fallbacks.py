@@ -99,11 +99,14 @@ def test_every_eager_reason_is_reachable_and_counted():
     eager = GraphRunner(ToyPagedModel(), max_batch_size=8, backend="eager", progress=False)
     eager(decode_batch(2, seed=1))
     fast = wrap(lambda x: x * 2, max_batch_size=4, capture_sizes=[4], backend="emulated")
-    fast(torch.ones(2, 3))
-    fast(torch.ones(2, 5))
+    fast(torch.ones(4, 3))  # warmup
+    fast(torch.ones(2, 3))  # axis_probe: outputs were seen at the padded size only
+    fast(torch.ones(2, 5))  # shape_mismatch
+    fast(torch.ones(2, 3, requires_grad=True))  # autograd
     seen = set(reasons) | set(failing.stats()["eager_reasons"]) | set(eager.stats()["eager_reasons"])
     seen |= set(fast.stats()["eager_reasons"]) | {"replay_failed"}  # replay_failed: test above
     seen |= {"peer_eager"}  # needs two ranks: tests/test_lockstep.py
+    seen |= {"unsliceable_output", "ambiguous_batch_axis"}  # tests/test_wrap_signatures.py
     assert seen == {reason.value for reason in EagerReason}
 
 

@@ -204,15 +204,11 @@ def make_gru():
 
 
 def test_gru_output():
-    gru = make_gru()
-    # TODO(issue 14): h_n is [num_layers, batch, hidden]; wrap() slices outputs by their first
-    # dim only, so h_n comes back padded. Compare only `output` until that is fixed.
-    check_against_eager(gru, sequences, compare=lambda out: out[0])
+    check_against_eager(make_gru(), sequences, compare=lambda out: out[0])
 
 
-@pytest.mark.xfail(reason="issue 14: GRU h_n [num_layers, batch, hidden] is not cut to the real batch", strict=True)
 def test_gru_h_n():
-    # TODO(issue 14): remove the xfail once outputs with the batch in dim 1 are sliced.
+    # h_n is [num_layers, batch, hidden]: cut along dim 1, the axis whose size followed the batch.
     check_against_eager(make_gru(), sequences, compare=lambda out: out[1])
 
 

@@ -133,7 +133,7 @@ def test_static_batch_mirrors_follow_each_step():
 
     attn.init_forward_metadata_replay = recording_hook
     runner = GraphRunner(model, max_batch_size=4, modes=(ForwardMode.EXTEND,), backend="emulated", progress=False,
-                         extend_capture_sizes=([8], [4]), **graph_runner_kwargs(attn, pools))
+                         extend_capture_sizes=([4, 8], [4]), **graph_runner_kwargs(attn, pools))
     runner.capture()
     seen.clear()
     cache = SequenceCache(pools)

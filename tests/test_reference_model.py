@@ -356,7 +356,7 @@ def test_mixed_batch_through_emulated_graph_runner(ref):
     model, backend, pools = ref
     runner = GraphRunner(
         model, max_batch_size=4, modes=(ForwardMode.MIXED,), backend="emulated", progress=False,
-        extend_capture_sizes=([16], [4]), **graph_runner_kwargs(backend, pools),
+        extend_capture_sizes=([8, 16], [2, 4]), **graph_runner_kwargs(backend, pools),
     )
     runner.capture()
     reqs = [pools.req_to_token.alloc(), pools.req_to_token.alloc()]

@@ -1,0 +1,297 @@
+"""CallSignature: how wrap() stages one call's arguments, learned from the calls themselves.
+
+Arguments are pytrees (graphrt.tensor_tree): a tensor nested in tuples, lists, dicts or
+dataclasses gets a static slot like a top-level one. The batch size of a call is dim 0 of its
+first tensor that has a dimension. Every other tensor is *batched* along the one dimension whose
+size is the batch size (padded; its slot is stored batch-first and the function sees a
+``movedim`` view, so an LSTM state ``[layers, batch, hidden]`` is padded along dim 1), or *fixed*
+(copied whole, same shape every call). Non-tensor leaves are constants: plain values compared by
+value, objects by identity.
+
+Which dimension is the batch is evidence, not a guess: a dimension stays a candidate while its
+size was the batch size at every call seen and every other dimension kept its size. One
+candidate (with or without "fixed") decides; several (the LSTM state seen at batch == layers)
+make the leaf *tentative*: the lowest is used, which is exact at unpadded sizes, and padded calls
+run eagerly until a call at another size decides. A call that contradicts a choice but fits the
+evidence yields a refined signature (``refine``), and wrap() captures again with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import torch
+
+from .buffers import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
+from .tensor_tree import flatten, is_plain_constant, leaf_paths, same_value, unflatten
+
+
+@dataclass(frozen=True)
+class TensorEvidence:
+    """A tensor leaf as first seen, and the dims that can still be its batch axis (None: fixed)."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    candidates: FrozenSet[Optional[int]]
+
+    @classmethod
+    def first_seen(cls, tensor: torch.Tensor, batch_size: int, defines_batch: bool) -> "TensorEvidence":
+        shape = tuple(tensor.shape)
+        dims = {0} if defines_batch else {None, *(dim for dim, size in enumerate(shape) if size == batch_size)}
+        return cls(shape, tensor.dtype, tensor.device, frozenset(dims))
+
+    @property
+    def batch_dims(self) -> List[int]:
+        return sorted(dim for dim in self.candidates if dim is not None)
+
+    @property
+    def axis(self) -> Optional[int]:
+        """The batch dim used (the lowest candidate), or None for a fixed tensor."""
+        dims = self.batch_dims
+        return dims[0] if dims else None
+
+    @property
+    def tentative(self) -> bool:
+        return len(self.batch_dims) > 1
+
+    def refined(self, tensor: Any, batch_size: int) -> Optional["TensorEvidence"]:
+        """The evidence with ``tensor`` seen too, or None when no candidate fits it."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype or tensor.device != self.device:
+            return None
+        shape = tuple(tensor.shape)
+        if len(shape) != len(self.shape):
+            return None
+        kept = frozenset(dim for dim in self.candidates if self._fits(dim, shape, batch_size))
+        return replace(self, candidates=kept) if kept else None
+
+    def _fits(self, dim: Optional[int], shape: Tuple[int, ...], batch_size: int) -> bool:
+        if dim is None:
+            return shape == self.shape
+        return shape[dim] == batch_size and all(
+            size == seen for index, (size, seen) in enumerate(zip(shape, self.shape)) if index != dim
+        )
+
+    def describe(self) -> str:
+        axis = self.axis
+        shape = ["n" if index == axis else size for index, size in enumerate(self.shape)]
+        return f"shape {shape} {self.dtype} on {self.device}"
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A non-tensor leaf: later calls must pass an equal plain value, or the same object."""
+
+    value: Any
+
+
+class CallSignature:
+    """The captured layout of a call: structure, per-leaf evidence, static slots, staging plan."""
+
+    def __init__(self, structure: Any, kw_names: Tuple[str, ...], leaves: Sequence[Any], batch_leaf: int,
+                 max_batch_size: int) -> None:
+        self.structure = structure
+        self.kw_names = kw_names
+        self._kw_set = frozenset(kw_names)
+        self.leaves = tuple(leaves)  # TensorEvidence or Constant per leaf
+        self.batch_leaf = batch_leaf
+        self.max_batch_size = max_batch_size
+        self.paths = _paths(structure, kw_names)
+        self.tentative = any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in self.leaves)
+        self.objects = [(path, leaf.value) for path, leaf in zip(self.paths, self.leaves)
+                        if isinstance(leaf, Constant) and not is_plain_constant(leaf.value)]
+        self._tensors = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, TensorEvidence)]
+        self._expected: Dict[int, Tuple[Any, ...]] = {}
+        self.buffers = InputBufferManager(max_batch_size=max_batch_size, register_defaults=False)
+        self._slots: Dict[int, InputSlot] = {index: self._register(index) for index in self._tensors}
+        self._axes = [(index, self.leaves[index].axis) for index in self._tensors]
+        self._plan = StagingPlan([self._slots[index] for index in self._tensors])
+
+    @classmethod
+    def first_call(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any], max_batch_size: int) -> "CallSignature":
+        """The signature of the first call: its tensors' shapes are the first evidence."""
+        kw_names = tuple(kwargs)
+        leaves, structure = flatten_call(args, kwargs, kw_names)
+        batch_leaf = next((index for index, leaf in enumerate(leaves)
+                           if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+        if batch_leaf is None:
+            raise ValueError("args: expected at least one tensor whose first dimension is the batch")
+        batch_size = leaves[batch_leaf].shape[0]
+        evidence = [
+            TensorEvidence.first_seen(leaf, batch_size, index == batch_leaf) if isinstance(leaf, torch.Tensor)
+            else Constant(leaf)
+            for index, leaf in enumerate(leaves)
+        ]
+        return cls(structure, kw_names, evidence, batch_leaf, max_batch_size)
+
+    def _register(self, index: int) -> InputSlot:
+        evidence: TensorEvidence = self.leaves[index]
+        axis = evidence.axis
+        if axis is None:
+            spec, rows = BufferSpec(evidence.shape, evidence.dtype, evidence.device), RowAxis.FIXED
+        else:  # stored batch-first: staging pads rows; the function sees a movedim view
+            others = evidence.shape[:axis] + evidence.shape[axis + 1:]
+            spec, rows = BufferSpec((self.max_batch_size, *others), evidence.dtype, evidence.device), RowAxis.TOKENS
+        return self.buffers.register_slot(self.paths[index], spec, axis=rows)
+
+    # ---- per call ---------------------------------------------------------------------------
+
+    def flatten(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
+        """The call's leaves and structure (None when its keywords differ from the captured ones)."""
+        if kwargs.keys() != self._kw_set:
+            leaves: List[Any] = []
+            flatten((args, kwargs), leaves)
+            return leaves, None
+        return flatten_call(args, kwargs, self.kw_names)
+
+    def match(self, leaves: List[Any], structure: Any) -> Tuple[int, bool]:
+        """The call's batch size, and whether it fits this signature (metadata checks only)."""
+        if structure != self.structure:
+            return 0, False
+        definer = leaves[self.batch_leaf]
+        if not definer.dim():
+            return 0, False
+        batch_size = definer.shape[0]
+        expected = self._expected.get(batch_size)
+        if expected is None:
+            expected = self._expected_shapes(batch_size)
+        for value, leaf, shape in zip(leaves, self.leaves, expected):
+            if shape is None:
+                if not same_value(value, leaf.value):
+                    return batch_size, False
+            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
+                return batch_size, False
+        return batch_size, True
+
+    def _expected_shapes(self, batch_size: int) -> Tuple[Any, ...]:
+        shapes = []
+        for leaf in self.leaves:
+            if isinstance(leaf, Constant):
+                shapes.append(None)
+            else:
+                axis = leaf.axis
+                shapes.append(leaf.shape if axis is None else leaf.shape[:axis] + (batch_size,) + leaf.shape[axis + 1:])
+        result = tuple(shapes)
+        if batch_size <= self.max_batch_size:
+            self._expected[batch_size] = result
+        return result
+
+    def requires_grad(self, leaves: List[Any]) -> bool:
+        return any(isinstance(leaves[index], torch.Tensor) and leaves[index].requires_grad for index in self._tensors)
+
+    def stage(self, leaves: List[Any], rows: int, cut: bool = False) -> None:
+        """Copy the call's tensors into the static slots, batched ones padded above ``rows``
+        (``cut``: batched tensors longer than ``rows`` are cut to it, for capture examples)."""
+        live = []
+        for index, axis in self._axes:
+            value = leaves[index]
+            if axis is not None:
+                if cut and value.shape[axis] > rows:
+                    value = value.narrow(axis, 0, rows)
+                if axis:
+                    value = value.movedim(axis, 0)
+            live.append(value)
+        if torch.is_grad_enabled():
+            with torch.no_grad():  # staging never records autograd
+                self._plan.stage(live, rows, rows)
+        else:
+            self._plan.stage(live, rows, rows)
+
+    def static_arguments(self, key: Any) -> Tuple[tuple, dict]:
+        """The arguments a graph of ``key.num_tokens`` rows reads: views of the static slots."""
+        rows = key.num_tokens
+        leaves = []
+        for index, leaf in enumerate(self.leaves):
+            if isinstance(leaf, Constant):
+                leaves.append(leaf.value)
+                continue
+            view = self._slots[index].view(rows)
+            axis = leaf.axis
+            leaves.append(view.movedim(0, axis) if axis else view)
+        iterator = iter(leaves)
+        positional, keywords = self.structure
+        args = tuple(unflatten(child, iterator) for child in positional)
+        return args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)}
+
+    # ---- evidence ------------------------------------------------------------------------------
+
+    def refine(self, leaves: List[Any], structure: Any) -> Optional["CallSignature"]:
+        """For a call that does not match: a new signature that fits it and every call seen before
+        (the call decided a batch axis, or showed a tensor to be fixed), or None if none does."""
+        refined = self._evidence_with(leaves, structure)
+        if refined is None:
+            return None
+        return CallSignature(self.structure, self.kw_names, refined, self.batch_leaf, self.max_batch_size)
+
+    def confirm(self, leaves: List[Any], structure: Any) -> None:
+        """For a matching call while some leaf is tentative: narrow its candidates (same layout)."""
+        refined = self._evidence_with(leaves, structure)
+        if refined is not None:
+            self.leaves = tuple(refined)
+            self.tentative = any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in self.leaves)
+
+    def _evidence_with(self, leaves: List[Any], structure: Any) -> Optional[List[Any]]:
+        if structure != self.structure or not leaves[self.batch_leaf].dim():
+            return None
+        batch_size = leaves[self.batch_leaf].shape[0]
+        refined = []
+        for value, leaf in zip(leaves, self.leaves):
+            if isinstance(leaf, Constant):
+                if not same_value(value, leaf.value):
+                    return None
+                refined.append(leaf)
+                continue
+            evidence = leaf.refined(value, batch_size)
+            if evidence is None:
+                return None
+            refined.append(evidence)
+        return refined
+
+    def describe_mismatch(self, leaves: List[Any], structure: Any) -> str:
+        """What in a call differs from this signature, naming the argument."""
+        if structure != self.structure:
+            return (f"args: expected the captured argument structure (keywords {list(self.kw_names)}, "
+                    f"leaves {self.paths})")
+        batch_size = leaves[self.batch_leaf].shape[0] if leaves[self.batch_leaf].dim() else 0
+        expected = self._expected_shapes(batch_size)
+        for path, value, leaf, shape in zip(self.paths, leaves, self.leaves, expected):
+            if isinstance(leaf, Constant):
+                if not same_value(value, leaf.value):
+                    return f"{path}: expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
+            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
+                got = f"shape {list(value.shape)} {value.dtype} on {value.device}"
+                return f"{path}: expected {leaf.describe()} with n = {batch_size}, got {got}"
+        return "args: the call fits the signature"
+
+    def layout(self) -> Dict[str, Any]:
+        """Per argument leaf: its batch dim, "fixed", or "constant" (for stats)."""
+        result: Dict[str, Any] = {}
+        for path, leaf in zip(self.paths, self.leaves):
+            if isinstance(leaf, Constant):
+                result[path] = "constant"
+            else:
+                axis = leaf.axis
+                result[path] = "fixed" if axis is None else (f"dim {axis}?" if leaf.tentative else f"dim {axis}")
+        return result
+
+
+def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[str, ...]) -> Tuple[List[Any], Any]:
+    """Leaves and structure of a call, keywords taken in ``kw_names`` order (any order at the call)."""
+    leaves: List[Any] = []
+    positional = tuple([flatten(value, leaves) for value in args])
+    keywords = tuple([flatten(kwargs[name], leaves) for name in kw_names])
+    return leaves, (positional, keywords)
+
+
+def _paths(structure: Any, kw_names: Tuple[str, ...]) -> Tuple[str, ...]:
+    positional, keywords = structure
+    paths = []
+    for index, child in enumerate(positional):
+        paths.extend(leaf_paths(child, f"args[{index}]"))
+    for name, child in zip(kw_names, keywords):
+        paths.extend(leaf_paths(child, name))
+    return tuple(paths)
+
+
+__all__ = ["CallSignature", "Constant", "TensorEvidence", "flatten_call"]
