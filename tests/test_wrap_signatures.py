@@ -346,6 +346,27 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
     assert all(torch.equal(a, b) for a, b in zip(tokens[:4], tokens[4:]))
 
 
+def test_hf_model_with_a_static_cache_argument_replays_and_returns_that_cache():
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama()
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(14))
+    tokens = []
+    for wrapped in (True, False):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        fast = wrap(model, max_batch_size=2, capture_sizes=[2], backend="emulated") if wrapped else model
+        with torch.no_grad():
+            token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for position in range(5, 10):
+                out = fast(input_ids=token, past_key_values=cache, position_ids=torch.full((2, 1), position),
+                           use_cache=True)
+                assert out.past_key_values is cache, "an object passed in comes back as itself"
+                token = out.logits[:, -1:].argmax(-1)
+                tokens.append(token)
+        if wrapped:
+            assert fast.stats()["graph_runs"] == 4 and fast.stats()["eager_reasons"] == {"warmup": 1}
+    assert all(torch.equal(a, b) for a, b in zip(tokens[:5], tokens[5:]))
+
+
 class CountingState:
     def __init__(self):
         self.calls = 0
