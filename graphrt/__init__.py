@@ -3,6 +3,7 @@
 from .backends import BACKEND_NAMES
 from .batch import ForwardBatch, ForwardMode
 from .buffer_tiers import HierarchicalBufferPool, PredictiveBufferManager, Tier, create_input_buffer_manager
+from .check import CheckReport, check
 from .buffers import (
     BufferEntry,
     BufferPool,
@@ -37,6 +38,8 @@ __all__ = [
     "BufferState",
     "build_forward_batch",
     "CaptureReport",
+    "check",
+    "CheckReport",
     "choose_capture_sizes",
     "create_input_buffer_manager",
     "Decision",

@@ -12,13 +12,15 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from .batch import ForwardBatch, ForwardMode, debug_enabled
 from .buffers import BufferSpec, InputBufferManager, RowAxis
+from .check.runner_check import check_runner
+from .check.report import CheckReport
 from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, output_leaves_step, static_batch_for
 from .lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
@@ -193,6 +195,15 @@ class GraphRunner:
         if self.backend_name == "eager":
             logger.info("graphs are off (backend eager or %s=1): nothing to capture", DISABLE_ENV)
             return CaptureReport()
+        before_capture, make_callable = self._capture_steps()
+        with self._lock:
+            report = self.registry.capture_all(make_callable, before_capture, progress=self.progress)
+        logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
+        return report
+
+    def _capture_steps(self) -> Tuple[Callable[[GraphEntry], None], Callable[[GraphEntry], Callable[[], Any]]]:
+        """The attention backend's graph state (allocated once), then per key: the hook that runs
+        before its warm-up and capture, and the step that capture records (check() records it too)."""
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
         if init_graph_state is not None and not self._graph_state_ready:
@@ -213,10 +224,16 @@ class GraphRunner:
 
             return output_leaves_step(entry, step)
 
+        return before_capture, make_callable
+
+    def check(self, *examples: ForwardBatch, keys: Optional[Sequence[GraphKey]] = None) -> CheckReport:
+        """What would make capture fail or replays differ from eager, found without capturing
+        (``graphrt.check``, docs/CHECK.md). Records the step on the padded batches capture uses
+        (``keys``, default: the smallest and largest key of each mode) and on ``examples``
+        (real batches: padded as staging pads them, and compared with their unpadded run).
+        The model's state is left exactly as it was."""
         with self._lock:
-            report = self.registry.capture_all(make_callable, before_capture, progress=self.progress)
-        logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
-        return report
+            return check_runner(self, examples, keys)
 
     def retune(self, max_graphs: int) -> CaptureReport:
         """Recapture the decode keys at <= ``max_graphs`` sizes chosen from the traffic seen so far.

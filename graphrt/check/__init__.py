@@ -1,0 +1,46 @@
+"""graphrt.check: know on a laptop whether a model is safe to graph, before a GPU is rented.
+
+``check(fn, *example_args, **example_kwargs)`` records the step on the CPU (or wherever its
+tensors live) and reports, with the op, the tensor's name and the model's source line, what
+would make a CUDA-graph capture fail or a replay differ from eager: host syncs, op graphs that
+depend on input values, writes to inputs, tensors rebound between steps, Python state, CPU
+tensors or several devices in a CUDA step, random ops, aliased outputs, padding rows that leak
+into real rows; plus the state the step writes and how ``wrap()`` treats each argument.
+``GraphRunner.check()`` does the same for a runner's model. ``python -m graphrt.check
+module:factory`` is the command line. docs/CHECK.md maps every finding to graphrt's eager
+reasons and torch.compile's cudagraph skip reasons.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from ..graphed_callable import GraphedCallable
+from .callables import check_callable
+from .hazards import HAZARDS, Hazard, Severity
+from .inputs import Arguments
+from .report import ArgumentInfo, CheckReport, Finding, StateWrite
+
+
+def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequence[Arguments]] = None,
+          **example_kwargs: Any) -> CheckReport:
+    """Report what breaks or differs when ``fn`` is graphed, from one example call.
+
+    ``fn`` is any callable ``wrap()`` accepts (or what ``wrap()`` returned), or a ``GraphRunner``
+    (then ``example_args`` are optional example ForwardBatches, see ``GraphRunner.check``).
+    ``variants``: other valid ``(args, kwargs)`` with the example's structure and shapes to
+    compare op graphs with (default: the example with every input tensor's values rolled by
+    one). The model's tensors, Python bindings and random generators are left as they were.
+    """
+    from ..runner import GraphRunner  # graphrt.runner imports this package
+
+    if isinstance(fn, GraphRunner):
+        if variants is not None or example_kwargs:
+            raise TypeError("check(runner, *examples): a GraphRunner takes example ForwardBatches only")
+        return fn.check(*example_args)
+    if isinstance(fn, GraphedCallable):  # check what wrap() graphs, without capturing anything
+        fn = fn.fn
+    return check_callable(fn, example_args, example_kwargs, variants)
+
+
+__all__ = ["HAZARDS", "ArgumentInfo", "CheckReport", "Finding", "Hazard", "Severity", "StateWrite", "check"]

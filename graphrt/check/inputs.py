@@ -1,0 +1,144 @@
+"""The inputs the check gives a step: the named example, a rolled variant, a padded copy, and
+how ``wrap()`` treats each argument.
+
+Arguments are pytrees as ``wrap()`` sees them (graphrt.tensor_tree): tensors nested in tuples,
+lists, dicts and dataclasses (a ForwardBatch) are inputs, named by their path from the
+parameter name (``forward_batch.input_ids``). The variant must be valid for the model or the
+comparison reports noise, so it is made of the example's own values: each input tensor rolled
+by one element (a row shift for 1-D batch fields, the same shift for every field of one length,
+so rows stay consistent); index tensors keep their range. The padded copy adds zero rows along
+each argument's batch dimension, as wrap()'s static buffers do.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..call_signature import CallSignature, Constant, TensorEvidence, flatten_call
+from ..sizes import default_capture_sizes
+from ..tensor_tree import leaf_paths, unflatten
+from .report import ArgumentInfo, Finding
+
+Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
+def argument_names(fn: Callable[..., Any], count: int) -> List[str]:
+    """Names of the first ``count`` positional parameters of ``fn`` (``arg<i>`` where unknown)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        parameters = [p for p in inspect.signature(target).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        parameters = []
+    return [parameters[i].name if i < len(parameters) else f"arg{i}" for i in range(count)]
+
+
+class CallTree:
+    """One call's arguments as flat leaves with readable paths, and the way to rebuild them."""
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], positional_names: Sequence[str]) -> None:
+        self.names = list(positional_names)
+        self.kw_names = tuple(kwargs)
+        self.leaves, self.structure = flatten_call(args, kwargs, self.kw_names)
+        positional, keywords = self.structure
+        self.paths: List[str] = []
+        for name, child in zip(positional_names, positional):
+            self.paths += leaf_paths(child, name)
+        for name, child in zip(self.kw_names, keywords):
+            self.paths += leaf_paths(child, name)
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor leaf by path: what the step is handed (and what wrap() stages)."""
+        return {path: leaf for path, leaf in zip(self.paths, self.leaves) if isinstance(leaf, torch.Tensor)}
+
+    def rebuild(self, leaves: Sequence[Any]) -> Arguments:
+        """Arguments of the same structure with other leaves."""
+        iterator = iter(leaves)
+        positional, keywords = self.structure
+        args = tuple(unflatten(child, iterator) for child in positional)
+        return args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)}
+
+    def rolled(self) -> Arguments:
+        """A variant: every tensor leaf's values rolled by one element (``roll``)."""
+        return self.rebuild([roll(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves])
+
+
+def roll(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's own values shifted by one element, with its strides (so no op path changes);
+    tensors with overlapping memory (expanded) or fewer than two elements are kept as they are."""
+    rolled = torch.empty_like(tensor)
+    if tensor.numel() < 2 or rolled.stride() != tensor.stride():
+        return tensor
+    rolled.copy_(tensor.flatten().roll(1).view(tensor.shape))
+    return rolled
+
+
+@dataclass
+class Signature:
+    """How wrap() classifies the example's argument leaves, and the problem if it cannot."""
+
+    arguments: List[ArgumentInfo]
+    axes: List[Optional[int]]  # per leaf of the CallTree: the batch dim wrap() pads, or None
+    rows: int  # the example's batch size
+    problem: Optional[Finding] = None
+
+    def padded(self, tree: CallTree) -> Arguments:
+        """The example with zero rows added along each batched leaf's batch dim, up to ``padded_size``."""
+        size = padded_size(self.rows)
+        leaves = [leaf if axis is None else _pad(leaf, axis, size) for leaf, axis in zip(tree.leaves, self.axes)]
+        return tree.rebuild(leaves)
+
+
+def _pad(tensor: torch.Tensor, axis: int, size: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[axis] = size - shape[axis]
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=axis)
+
+
+def wrap_signature(tree: CallTree, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Signature:
+    """The classification ``wrap()`` makes on its first call (graphrt.call_signature), per leaf."""
+    try:
+        signature = CallSignature.first_call(args, kwargs, max_batch_size=1)
+    except ValueError as error:
+        return Signature([], [None] * len(tree.leaves), 0, Finding("no_batch_dim", f"wrap() cannot graph this call: {error}"))
+    arguments, axes = [], []
+    for path, leaf, value in zip(tree.paths, signature.leaves, tree.leaves):
+        axis = leaf.axis if isinstance(leaf, TensorEvidence) else None
+        axes.append(axis)
+        arguments.append(_argument_info(path, leaf, value))
+    return Signature(arguments, axes, tree.leaves[signature.batch_leaf].shape[0])
+
+
+def _argument_info(path: str, leaf: Any, value: Any) -> ArgumentInfo:
+    if isinstance(leaf, Constant):
+        rule = "another value" if not _is_object(value) else "another object (compared by identity)"
+        return ArgumentInfo(path, "constant", _summary(value), f"{rule} (shape_mismatch)")
+    shape = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')} {value.device.type}"
+    if leaf.axis is None:
+        return ArgumentInfo(path, "fixed", shape, f"shape other than {list(value.shape)}, another dtype or device "
+                                                  "(shape_mismatch)")
+    if leaf.tentative:
+        return ArgumentInfo(path, f"batch dim {leaf.axis}?", shape,
+                            f"dims {leaf.batch_dims} all have the batch size: padded calls until a call at another "
+                            "size decides (ambiguous_batch_axis)")
+    return ArgumentInfo(path, f"batch dim {leaf.axis}", shape,
+                        "more rows than max_batch_size (batch_too_large); other sizes in the other dims, another "
+                        "dtype or device (shape_mismatch)")
+
+
+def _is_object(value: Any) -> bool:
+    return not isinstance(value, (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device))
+
+
+def _summary(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 28 else text[:25] + "..."
+
+
+def padded_size(rows: int) -> int:
+    """The capture size a batch of ``rows`` pads to by default (the next one above it)."""
+    return next(size for size in default_capture_sizes(2 * rows + 8) if size > rows)

@@ -1,0 +1,119 @@
+"""Check a GraphRunner's model: on the padded batches capture records, and on real examples.
+
+Without examples the check records exactly what ``runner.capture()`` would: per key, the
+attention capture hook, then ``model(static.input_ids, static.positions, static)`` on the
+static batch with its padding values, after one warm-up run. With example batches it also
+records each one padded to its key the way staging pads it (the padded run is what a replay
+computes), a rolled variant of it (value-dependent branches) and the unpadded eager run
+(whether padding rows leak into real rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..batch import ForwardBatch
+from ..dispatcher import EagerReason
+from ..lockstep import pad_forward_batch
+from ..registry import GraphEntry, GraphKey
+from .inputs import CallTree
+from .names import callable_roots
+from .recording import Step, preserved_random_state, preserved_state, raising_line
+from .report import CheckReport
+from .session import CheckSession
+
+if TYPE_CHECKING:
+    from ..runner import GraphRunner
+
+# Keys whose entries exist but are not replayable yet: the example still pads to them.
+_KEY_KNOWN = (None, EagerReason.NOT_CAPTURED, EagerReason.CAPTURE_FAILED, EagerReason.DISABLED)
+
+
+def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
+                 keys: Optional[Sequence[GraphKey]] = None) -> CheckReport:
+    """The check of ``runner``'s model (see GraphRunner.check); the runner's lock must be held."""
+    before_capture, make_callable = runner._capture_steps()  # graph state first: it outlives the check
+    entries = _entries(runner, keys)
+    roots = ([("forward_batch", entries[0].inputs)] if entries else []) + callable_roots(runner.model) + [
+        ("batch_context", runner.context)]
+    session = CheckSession(f"GraphRunner({type(runner.model).__name__})", roots, runner.device)
+    with preserved_random_state(), preserved_state(session.graph):
+        for position, entry in enumerate(entries):
+            step = Step(f"static batch of {entry.key}", make_callable(entry), _batch_inputs(entry.inputs),
+                        lambda entry=entry: before_capture(entry))
+            if not _warm_up(session, step):
+                continue
+            recording = session.record(step)
+            if session.analyze(recording, with_state=position == 0):
+                session.compare(recording, session.record(dataclasses.replace(step, label=f"second {step.label}")))
+        for index, example in enumerate(examples):
+            _check_example(session, runner, index, example)
+    return session.finish()
+
+
+def _entries(runner: "GraphRunner", keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:
+    """The requested keys' entries, else the largest and smallest key of each mode (largest first)."""
+    registry = runner.registry
+    if keys is not None:
+        missing = [key for key in keys if key not in registry.entries]
+        if missing:
+            raise ValueError(f"keys: expected keys of this runner ({sorted(map(str, registry.entries))}), got {missing}")
+        return [registry.entries[key] for key in keys]
+    chosen: Dict[GraphKey, GraphEntry] = {}
+    for mode in dict.fromkeys(key.mode for key in registry.entries):
+        of_mode = sorted((key for key in registry.entries if key.mode is mode), key=lambda k: (k.num_tokens, k.num_reqs))
+        for key in (of_mode[-1], of_mode[0]):
+            chosen.setdefault(key, registry.entries[key])
+    return list(chosen.values())
+
+
+def _batch_inputs(batch: ForwardBatch) -> Dict[str, torch.Tensor]:
+    return CallTree((batch,), {}, ["forward_batch"]).tensors()
+
+
+def _warm_up(session: CheckSession, step: Step) -> bool:
+    """One unrecorded run, as capture warms up; its writes stay until the check ends."""
+    try:
+        if step.prepare is not None:
+            step.prepare()
+        step.fn()
+    except Exception as error:  # reported like a failed capture
+        session.add_error(step.label, error, raising_line(error))
+        return False
+    return True
+
+
+def _check_example(session: CheckSession, runner: "GraphRunner", index: int, example: ForwardBatch) -> None:
+    """Record one real batch padded to its key, a rolled variant, and its unpadded run."""
+    example.validate(runner.device, runner.debug)
+    decision = runner.dispatcher.decide(example)
+    if decision.reason not in _KEY_KNOWN or decision.entry is None:
+        session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
+        return
+    key = decision.entry.key
+    example = _with_context(runner, example)
+    padded = pad_forward_batch(example, key.num_tokens, key.num_reqs, runner.pad_values)
+    recording = session.record(_eager_step(runner, f"example {index} padded to {key}", padded))
+    if not session.analyze(recording, with_state=False):
+        return
+    (variant,), _ = CallTree((padded,), {}, ["forward_batch"]).rolled()
+    session.compare(recording, session.record(_eager_step(runner, f"rolled variant of example {index}", variant)))
+    real = session.record(_eager_step(runner, f"example {index}", example))
+    rows = {key.num_tokens: example.num_tokens, key.num_reqs: example.batch_size}
+    session.compare_padding(real, recording, rows)
+
+
+def _with_context(runner: "GraphRunner", batch: ForwardBatch) -> ForwardBatch:
+    """The batch with the runner's context objects (attention backend, pools) filled in."""
+    missing = {name: value for name, value in runner.context.items() if getattr(batch, name) is None}
+    return dataclasses.replace(batch, **missing) if missing else batch
+
+
+def _eager_step(runner: "GraphRunner", label: str, batch: ForwardBatch) -> Step:
+    """The model on ``batch``; the eager attention metadata is built before the recording starts."""
+    init_metadata: Any = getattr(batch.attn_backend, "init_forward_metadata", None)
+    prepare = (lambda: init_metadata(batch)) if init_metadata is not None else None
+    return Step(label, lambda: runner.model(batch.input_ids, batch.positions, batch), _batch_inputs(batch), prepare)
