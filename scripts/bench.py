@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -182,6 +183,14 @@ def capture_summary(report: CaptureReport, backend: str) -> Dict[str, Any]:
     }
 
 
+def check_summary(runner: GraphRunner) -> Dict[str, Any]:
+    """graphrt.check of the reference model on the runner's padded batches: its time and verdict."""
+    start = time.perf_counter()
+    report = runner.check()
+    return {"seconds": time.perf_counter() - start, "ok": report.ok, "recordings": report.recordings,
+            "findings": [finding.kind for finding in report.findings], "state_tensors": len(report.state_writes)}
+
+
 def build_runners(settings: Settings, work: Workload, max_batch_size: int
                   ) -> Tuple[GraphRunner, Dict[str, GraphRunner], CaptureReport]:
     """The reference model's runner (captured, micro-batching above its largest size, with its
@@ -273,6 +282,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         "ubatch": [dataclasses.asdict(result) for result in ubatch],
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
+        "check": check_summary(runner),
     }
     return doc, results
 
@@ -293,6 +303,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_report(doc, results))
     print("\n".join(format_ubatch([UBatchResult(**{**r, "times_us": {k: Spread(**v) for k, v in r["times_us"].items()}})
                                    for r in doc["ubatch"]], max(settings.batch_sizes[-1], settings.prompts))))
+    check = doc["check"]
+    print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
+          f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
