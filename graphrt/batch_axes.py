@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from .buffers import RowAxis
-from .tensor_tree import leaf_paths, same_value
+from .tensor_tree import is_plain_constant, leaf_paths
 
 
 class LeafCut(NamedTuple):
@@ -50,13 +50,32 @@ class CannotCut(NamedTuple):
 
 
 class _Shape(tuple):
-    """A tensor leaf's shape in an observation (kept apart from non-tensor leaves, stored as they are)."""
+    """A tensor leaf's shape in an observation."""
+
+
+class _Identity:
+    """A non-tensor output object in an observation: equal only to itself (plain constants are
+    stored as they are and compared by value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class _Observation(NamedTuple):
     num_tokens: int
     num_reqs: int
-    leaves: Tuple[Any, ...]  # a tensor leaf's _Shape, or a non-tensor leaf itself
+    leaves: Tuple[Any, ...]  # per leaf: a tensor's _Shape, a plain constant, or an _Identity
 
 
 class OutputAxes:
@@ -69,9 +88,11 @@ class OutputAxes:
     def observe(self, mode: Any, num_tokens: int, num_reqs: int, structure: Any, leaves: Sequence[Any]) -> None:
         """Record the output leaves of one run of ``num_tokens`` tokens and ``num_reqs`` requests."""
         group = (mode, structure)
-        signature = tuple(_Shape(leaf.shape) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-        self._observations.setdefault(group, []).append(_Observation(num_tokens, num_reqs, signature))
-        self._plans.pop(group, None)
+        observation = _Observation(num_tokens, num_reqs, tuple(_signature(leaf) for leaf in leaves))
+        observations = self._observations.setdefault(group, [])
+        if observation not in observations:  # repeated sizes add nothing (lockstep observes every eager step)
+            observations.append(observation)
+            self._plans.pop(group, None)
 
     def seen_other_size(self, mode: Any, num_tokens: int, num_reqs: int) -> bool:
         """Whether some output of ``mode`` was observed at another size than (num_tokens, num_reqs)."""
@@ -88,6 +109,12 @@ class OutputAxes:
         if plan is None:
             plan = self._plans[group] = _derive(self._observations.get(group, []), structure)
         return plan
+
+
+def _signature(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return _Shape(leaf.shape)
+    return leaf if is_plain_constant(leaf) else _Identity(leaf)
 
 
 def _derive(observations: List[_Observation], structure: Any) -> Union[CutPlan, CannotCut]:
@@ -119,7 +146,7 @@ def _leaf_cut(seen: List[Tuple[int, int, Any]]) -> Union[LeafCut, None, str]:
     """One leaf's cut from its observations, None to return it as it is, or why it has no cut."""
     first = seen[0][2]
     if not isinstance(first, _Shape):
-        if all(same_value(value, first) for _, _, value in seen):
+        if all(value is first or value == first for _, _, value in seen):
             return None
         return f"the non-tensor value {first!r} changes with the batch size"
     shapes = [shape for _, _, shape in seen]

@@ -177,9 +177,6 @@ class CallSignature:
             self._expected[batch_size] = result
         return result
 
-    def requires_grad(self, leaves: List[Any]) -> bool:
-        return any(isinstance(leaves[index], torch.Tensor) and leaves[index].requires_grad for index in self._tensors)
-
     def stage(self, leaves: List[Any], rows: int, cut: bool = False) -> None:
         """Copy the call's tensors into the static slots, batched ones padded above ``rows``
         (``cut``: batched tensors longer than ``rows`` are cut to it, for capture examples)."""

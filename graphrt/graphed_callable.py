@@ -72,6 +72,7 @@ class GraphedCallable:
         )
         self.signature: Optional[CallSignature] = None
         self.signature_changes = 0
+        self._mismatch_logged = False
         self._grad_warned = False
         self._lock = threading.Lock()
 
@@ -83,6 +84,7 @@ class GraphedCallable:
             self.signature_changes += 1
             logger.info("wrap(): argument layout is now %s; graphs are captured again", signature.layout())
         self.signature = signature
+        self._mismatch_logged = False
         self.registry.clear()
         self._warm_calls.clear()
         if self.backend_name != "eager":
@@ -101,7 +103,10 @@ class GraphedCallable:
             return signature, leaves, batch_size, True
         refined = signature.refine(leaves, structure)
         if refined is None:
-            logger.debug("wrap(): eager call: %s", signature.describe_mismatch(leaves, structure))
+            if not self._mismatch_logged:  # once per signature: why calls like this one run eagerly
+                self._mismatch_logged = True
+                why = signature.describe_mismatch(leaves, structure)
+                logger.info("wrap(): call runs eagerly (shape_mismatch): %s", why)
             return signature, leaves, batch_size, False
         signature = self._adopt(refined)
         batch_size, matched = signature.match(leaves, structure)
@@ -154,7 +159,7 @@ class GraphedCallable:
             if batch_size:
                 self.stats_counters.record_size(MODE, batch_size)
             if torch.is_grad_enabled():
-                if signature.requires_grad(leaves):
+                if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
                     return self._run_eager(EagerReason.AUTOGRAD, batch_size, args, kwargs)
                 self._warn_grad_mode()
             if not matched:

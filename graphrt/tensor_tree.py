@@ -23,7 +23,7 @@ VALUE = "value"
 
 PLAIN_CONSTANTS = (
     int, float, complex, bool, str, bytes, type(None), type(Ellipsis), slice, enum.Enum,
-    torch.dtype, torch.device, torch.layout, torch.memory_format,
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size,
 )
 
 _SEQUENCE, _NAMEDTUPLE, _DICT, _DATACLASS, _PYTREE = range(5)  # container kinds
