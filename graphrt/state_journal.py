@@ -13,54 +13,85 @@ before. Writes into memory the block allocated itself need no undo and are not s
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 # Ops that change a tensor's metadata (shape, strides, storage) but no values: nothing to save.
-_METADATA_ONLY = frozenset({
+METADATA_ONLY = frozenset({
     "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_", "t_",
     "swapdims_", "swapaxes_", "detach_", "requires_grad_", "_coalesced_", "_resize_output_",
 })
+# Writers that touch only indexed rows of ``self`` (their first argument).
+INDEX_PUT_WRITERS = frozenset({"index_put_", "_index_put_impl_"})
+INDEX_DIM_WRITERS = frozenset({"index_copy_", "index_fill_", "index_add_", "index_reduce_"})
+SCATTER_WRITERS = frozenset({"scatter_", "scatter_add_", "scatter_reduce_"})
 
 Undo = Tuple[Callable[..., Any], Tuple[Any, ...]]
 
 
-def _index_put_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
+def op_base_name(func: Any) -> str:
+    """``index_put_`` for ``aten::index_put_`` (overload dropped)."""
+    return func._schema.name.split("::")[-1]
+
+
+def storage_key(tensor: torch.Tensor) -> Tuple[torch.device, int]:
+    """Identity of a tensor's memory: two tensors with the same key are views of one allocation."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def written_tensors(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Iterator[Tuple[int, torch.Tensor]]:
+    """``(argument position, tensor)`` for every non-empty tensor the op writes values into."""
+    schema = func._schema
+    if not schema.is_mutable or op_base_name(func) in METADATA_ONLY:
+        return
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        for target in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(target, torch.Tensor) and target.numel():
+                yield position, target
+
+
+def allocated_storages(
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], output: Any
+) -> Iterator[Tuple[torch.device, int]]:
+    """Storages the op allocated: outputs that are neither views nor in-place results of an input."""
+    if all(result.alias_info is not None for result in func._schema.returns):
+        return  # views and in-place results share an input's memory
+    inputs = {storage_key(arg) for arg in tree_leaves((args, kwargs)) if isinstance(arg, torch.Tensor)}
+    for result in tree_leaves(output):
+        if isinstance(result, torch.Tensor) and result.numel() and storage_key(result) not in inputs:
+            yield storage_key(result)
+
+
+def _index_put_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
     indices = [None if index is None else index.clone() for index in args[1]]
     return _aten.index_put_.default, (target, indices, _aten.index.Tensor(target, indices))
 
 
-def _index_dim_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
+def _index_dim_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
     dim, index = args[1], args[2].clone()
     return _aten.index_copy_.default, (target, dim, index, _aten.index_select.default(target, dim, index))
 
 
-def _scatter_region(target: torch.Tensor, args: Tuple[Any, ...]) -> Undo:
+def _scatter_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
     dim, index = args[1], args[2].clone()
     return _aten.scatter_.src, (target, dim, index, _aten.gather.default(target, dim, index))
 
 
-# Writers that touch only indexed rows of ``self``: save those rows, not the whole tensor.
-_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Tuple[Any, ...]], Undo]] = {
-    "index_put_": _index_put_region,
-    "_index_put_impl_": _index_put_region,
-    "index_copy_": _index_dim_region,
-    "index_fill_": _index_dim_region,
-    "index_add_": _index_dim_region,
-    "index_reduce_": _index_dim_region,
-    "scatter_": _scatter_region,
-    "scatter_add_": _scatter_region,
-    "scatter_reduce_": _scatter_region,
+# Save only the rows an indexed writer touches, not the whole tensor.
+_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Sequence[Any]], Undo]] = {
+    **dict.fromkeys(INDEX_PUT_WRITERS, _index_put_region),
+    **dict.fromkeys(INDEX_DIM_WRITERS, _index_dim_region),
+    **dict.fromkeys(SCATTER_WRITERS, _scatter_region),
 }
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
 
 
 class StateJournal(TorchDispatchMode):
@@ -70,29 +101,19 @@ class StateJournal(TorchDispatchMode):
         super().__init__()
         self.saved_bytes = 0
         self._undo: List[Undo] = []
-        self._fresh: Set[int] = set()  # storages allocated inside the block
+        self._fresh: Set[Tuple[torch.device, int]] = set()  # storages allocated inside the block
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
-        schema = func._schema
-        if schema.is_mutable and schema.name.split("::")[-1] not in _METADATA_ONLY:
-            self._save_written(func, schema, args, kwargs)
+        for position, target in written_tensors(func, args, kwargs):
+            if storage_key(target) not in self._fresh:
+                self._save(func, position, target, args)
         output = func(*args, **kwargs)
-        self._mark_fresh(schema, args, output)
+        self._fresh.update(allocated_storages(func, args, kwargs, output))
         return output
 
-    def _save_written(self, func: Any, schema: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        for position, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            targets = value if isinstance(value, (list, tuple)) else (value,)
-            for target in targets:
-                if isinstance(target, torch.Tensor) and target.numel() and _storage_key(target) not in self._fresh:
-                    self._save(func, position, target, args)
-
-    def _save(self, func: Any, position: int, target: torch.Tensor, args: Tuple[Any, ...]) -> None:
-        saver = _REGION_SAVERS.get(func._schema.name.split("::")[-1]) if position == 0 else None
+    def _save(self, func: Any, position: int, target: torch.Tensor, args: Sequence[Any]) -> None:
+        saver = _REGION_SAVERS.get(op_base_name(func)) if position == 0 else None
         if saver is not None:
             undo = saver(target, args)
         else:
@@ -100,17 +121,6 @@ class StateJournal(TorchDispatchMode):
         saved = undo[1][-1]
         self.saved_bytes += saved.numel() * saved.element_size()
         self._undo.append(undo)
-
-    def _mark_fresh(self, schema: Any, args: Tuple[Any, ...], output: Any) -> None:
-        outputs = output if isinstance(output, (list, tuple)) else (output,)
-        if all(result.alias_info is not None for result in schema.returns):
-            return  # views and in-place results share an input's memory
-        inputs = {_storage_key(arg) for arg in args if isinstance(arg, torch.Tensor)}
-        for result in outputs:
-            if isinstance(result, torch.Tensor) and result.numel():
-                key = _storage_key(result)
-                if key not in inputs:
-                    self._fresh.add(key)
 
     def restore(self) -> None:
         """Put back every saved region, newest first, and forget them."""

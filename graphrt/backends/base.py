@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable, List, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 
 class CapturedGraph(Protocol):
@@ -11,7 +11,6 @@ class CapturedGraph(Protocol):
     writing into ``outputs`` (the same tensors every replay)."""
 
     outputs: Any
-    flat_outputs: List[Any]
     pool_bytes: Optional[int]
 
     def replay(self) -> None:

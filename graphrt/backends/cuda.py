@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .session import gc_frozen
 
@@ -20,7 +19,6 @@ class CudaGraph:
     def __init__(self, graph: "torch.cuda.CUDAGraph", outputs: Any, pool_bytes: Optional[int]) -> None:
         self.graph = graph
         self.outputs = outputs
-        self.flat_outputs: List[torch.Tensor] = tree_flatten(outputs)[0]
         self.pool_bytes = pool_bytes
         self.replay = graph.replay
 

@@ -9,10 +9,9 @@ step fails the capture, as on CUDA. So a model that breaks under a CUDA graph br
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .op_graph import OpGraph, OpRecorder, build_op_graph
 from .session import gc_frozen
@@ -22,9 +21,7 @@ class EmulatedGraph:
     """A recorded op graph plus the output tensors every replay writes."""
 
     def __init__(self, op_graph: OpGraph, outputs: Any) -> None:
-        self.op_graph = op_graph
         self.outputs = outputs
-        self.flat_outputs: List[Any] = tree_flatten(outputs)[0]
         self.pool_bytes: Optional[int] = sum(t.numel() * t.element_size() for t in op_graph.copy_targets)
         self._forward = op_graph.module.forward
         self._targets = op_graph.copy_targets

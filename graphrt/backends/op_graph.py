@@ -25,6 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..state_journal import storage_key
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MODEL_DIRS = (os.path.join(_GRAPHRT_DIR, "reference") + os.sep,)  # graphrt code that is "the model"
@@ -58,10 +60,6 @@ class RecordedOp:
     kwargs: Dict[str, Any]
     output: Any
     source: Optional[SourceLine]
-
-    @property
-    def name(self) -> str:
-        return str(self.func)
 
 
 def is_model_file(filename: str) -> bool:
@@ -166,11 +164,10 @@ class OpRecorder(TorchDispatchMode):
 @dataclass
 class OpGraph:
     """A recorded step as an FX module: calling ``forward()`` re-runs every op on the external
-    tensors' current contents and returns the fresh outputs that must be copied out."""
+    tensors' current contents and returns the fresh outputs that must be copied out. It holds
+    no recorded op, so the recording's intermediates are freed once the graph is built."""
 
     module: torch.fx.GraphModule
-    ops: List[RecordedOp]
-    externals: List[torch.Tensor]
     copy_targets: List[torch.Tensor]  # captured outputs in fresh memory, refreshed every replay
 
 
@@ -215,17 +212,17 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
                 if isinstance(item, torch.Tensor):
                     nodes[id(item)] = graph.call_function(operator.getitem, (node, index))
 
-    external_storages = {_storage_key(tensor) for tensor in externals}
+    external_storages = {storage_key(tensor) for tensor in externals}
     copy_targets, returned = [], []
     for leaf in tree_flatten(outputs)[0]:
         if not isinstance(leaf, torch.Tensor) or id(leaf) not in nodes:
             continue  # external tensors and Python values are returned as captured
-        if _storage_key(leaf) in external_storages:
+        if storage_key(leaf) in external_storages:
             continue  # a view of a static tensor: its memory is what the model wrote
         copy_targets.append(leaf)
         returned.append(nodes[id(leaf)])
     graph.output(returned)
-    return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), ops, externals, copy_targets)
+    return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), copy_targets)
 
 
 def _is_work(value: Any) -> bool:
@@ -241,6 +238,3 @@ def wait_collectives(output: Any) -> None:
         if _is_work(leaf):
             leaf.wait()
 
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()

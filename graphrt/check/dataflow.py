@@ -14,19 +14,18 @@ from typing import Any, List, Sequence, Set, Tuple
 import torch
 
 from ..backends.op_graph import RecordedOp
-from .names import storage_key
+from ..state_journal import (
+    INDEX_DIM_WRITERS, INDEX_PUT_WRITERS, SCATTER_WRITERS, allocated_storages, op_base_name, storage_key,
+    written_tensors,
+)
 from .recording import tensor_leaves
 
 _aten = torch.ops.aten
-_INDEX_DIM_WRITERS = {"index_copy_", "index_fill_", "index_add_", "index_reduce_"}
-_SCATTER_WRITERS = {"scatter_", "scatter_add_", "scatter_reduce_"}
-_METADATA_ONLY = {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_", "t_",
-                  "swapdims_", "swapaxes_", "detach_", "requires_grad_", "_coalesced_", "_resize_output_"}
 
 
 def op_name(op: RecordedOp) -> str:
     """``aten.index_put_`` rather than the overload's full name."""
-    return "aten." + op.func._schema.name.split("::")[-1]
+    return "aten." + op_base_name(op.func)
 
 
 def argument(op: RecordedOp, name: str) -> Any:
@@ -61,15 +60,7 @@ class Write:
 
 def fresh_storages(ops: Sequence[RecordedOp]) -> Set[Tuple[torch.device, int]]:
     """Storages the step allocated (outputs of ops that do not return a view of an input)."""
-    fresh = set()
-    for op in ops:
-        if all(result.alias_info is not None for result in op.func._schema.returns):
-            continue
-        inputs = {storage_key(arg) for arg in tensor_leaves([op.args, op.kwargs]) if arg.numel()}
-        for result in tensor_leaves(op.output):
-            if result.numel() and storage_key(result) not in inputs:
-                fresh.add(storage_key(result))
-    return fresh
+    return {key for op in ops for key in allocated_storages(op.func, op.args, op.kwargs, op.output)}
 
 
 def external_reads(ops: Sequence[RecordedOp]) -> List[torch.Tensor]:
@@ -91,31 +82,24 @@ def state_writes(ops: Sequence[RecordedOp]) -> List[Write]:
     fresh = fresh_storages(ops)
     writes = []
     for index, op in enumerate(ops):
-        schema = op.func._schema
-        if not schema.is_mutable or schema.name.split("::")[-1] in _METADATA_ONLY:
-            continue
-        for position, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = op.args[position] if position < len(op.args) else op.kwargs.get(argument.name)
-            for target in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(target, torch.Tensor) and target.numel() and storage_key(target) not in fresh:
-                    writes.append(Write(index, op, target, _written_elements(op, position, target) * target.element_size()))
+        for position, target in written_tensors(op.func, op.args, op.kwargs):
+            if storage_key(target) not in fresh:
+                writes.append(Write(index, op, target, _written_elements(op, position, target) * target.element_size()))
     return writes
 
 
 def _written_elements(op: RecordedOp, position: int, target: torch.Tensor) -> int:
     """Elements of ``target`` the op writes: indexed rows for indexed writers, else all of it."""
-    name = op.func._schema.name.split("::")[-1]
+    name = op_base_name(op.func)
     args = op.args
     if position != 0:
         return target.numel()
-    if name in ("index_put_", "_index_put_impl_"):
+    if name in INDEX_PUT_WRITERS:
         return _indexed_numel(target, args[1])
-    if name in _INDEX_DIM_WRITERS:
+    if name in INDEX_DIM_WRITERS:
         dim = args[1] % max(target.dim(), 1)
         return args[2].numel() * (target.numel() // max(target.shape[dim] if target.dim() else 1, 1))
-    if name in _SCATTER_WRITERS:
+    if name in SCATTER_WRITERS:
         return args[2].numel()
     return target.numel()
 

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..backends.op_graph import RecordedOp
+from ..state_journal import storage_key
 from .dataflow import (
     Write,
     argument,
@@ -21,7 +22,7 @@ from .dataflow import (
     op_name,
     state_writes,
 )
-from .names import ObjectGraph, Rebinding, storage_key
+from .names import ObjectGraph, Rebinding
 from .recording import Recording, source_text, tensor_leaves
 from .report import Finding, StateWrite
 

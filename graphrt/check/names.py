@@ -23,6 +23,8 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..state_journal import storage_key
+
 MAX_DEPTH = 8
 MAX_ITEMS = 4096  # containers larger than this are not entered (token lists, vocabularies)
 MAX_FUNCTION_DEPTH = 2  # functions deeper than this (hooks, registries) are not entered
@@ -31,11 +33,6 @@ _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 _NOT_WALKED = (type, types.ModuleType, types.BuiltinFunctionType, torch.dtype, torch.device, torch.Generator)
 
 Container = Any  # a dict or a list whose entries the walk followed
-
-
-def storage_key(tensor: torch.Tensor) -> Tuple[torch.device, int]:
-    """Identity of a tensor's memory: two tensors with the same key are views of one allocation."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
 
 
 def callable_roots(fn: Any) -> List[Tuple[str, Any]]:
