@@ -2,8 +2,8 @@
 
 Arguments are pytrees: tensors nested in tuples, lists, dicts and dataclasses are staged into
 static slots; the batch size of a call is dim 0 of its first tensor, and every other tensor is
-padded along the dim that carries the batch, or kept whole (graphrt.call_signature). Outputs
-are cut to the real rows along the batch axis each one was seen to have (graphrt.batch_axes).
+padded along the dim that carries the batch, or kept whole (graphrt.layout.call_signature). Outputs
+are cut to the real rows along the batch axis each one was seen to have (graphrt.layout.batch_axes).
 A call that differs from the captured signature runs eagerly with reason ``shape_mismatch``.
 
 Like torch.compile's CUDA-graph trees, graphs are captured on real calls and nothing runs
@@ -25,14 +25,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
-from .batch import ForwardMode, debug_enabled
-from .call_signature import CallSignature
-from .dispatcher import EagerReason, GraphDispatcher, output_leaves_step
-from .rebind_guard import RebindGuard
-from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
-from .sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
-from .stats import RuntimeStats
+from graphrt.backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from graphrt.batch import ForwardMode, debug_enabled
+from graphrt.dispatch import EagerReason, GraphDispatcher, output_leaves_step
+from graphrt.layout.call_signature import CallSignature
+from graphrt.layout.rebind_guard import RebindGuard
+from graphrt.registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
+from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
+from graphrt.stats import RuntimeStats
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ try:
 except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
     tqdm = None
 
-from .backends.base import CapturedGraph, GraphBackend
-from .batch import ForwardMode
-from .capture import capture_graph
-from .sizes import SizeGrid, build_pad_table
+from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.capture import capture_graph
+from graphrt.batch import ForwardMode
+from graphrt.sizes import SizeGrid, build_pad_table
 
 logger = logging.getLogger(__name__)
 

@@ -16,17 +16,17 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, T
 
 import torch
 
-from .backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
-from .batch import ForwardBatch, ForwardMode, debug_enabled
-from .buffers import BufferSpec, InputBufferManager, RowAxis
-from .check.runner_check import check_runner
-from .check.report import CheckReport
-from .dispatcher import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, output_leaves_step, static_batch_for
-from .lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
-from .registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
-from .sizes import SizeGrid, choose_capture_sizes, default_capture_sizes, normalize_capture_sizes
-from .stats import RuntimeStats, histogram_from, load_histogram, save_histogram
-from .ubatch import UBatchConfig, UBatchWrapper
+from graphrt.backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
+from graphrt.check.report import CheckReport
+from graphrt.check.runner_check import check_runner
+from graphrt.dispatch import CONTEXT_FIELDS, EagerReason, ReplayDispatcher, output_leaves_step, static_batch_for
+from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
+from graphrt.registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
+from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes, normalize_capture_sizes
+from graphrt.staging import BufferSpec, InputBufferManager, RowAxis
+from graphrt.stats import RuntimeStats, histogram_from, load_histogram, save_histogram
+from graphrt.ubatch import UBatchConfig, UBatchWrapper
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Union
 
-from .batch import ForwardMode
+from graphrt.batch import ForwardMode
 
 
 @dataclass

@@ -26,20 +26,35 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-
 from bench_lib import (
-    PRESETS, TOLERANCE, BatchResult, Clock, Spread, Workload, measure_batch, measure_throughput, model_config,
-    one_op_model, parameter_count,
+    PRESETS,
+    TOLERANCE,
+    BatchResult,
+    Clock,
+    Spread,
+    Workload,
+    measure_batch,
+    measure_throughput,
+    model_config,
+    one_op_model,
+    parameter_count,
 )
 from bench_peer import compiled_step, warm_compiled
+from bench_report import (
+    BACKEND_NOTES,
+    OVERHEAD_TARGET,
+    POOL_LABELS,
+    format_report,
+    machine_info,
+    plot_latency,
+    write_json,
+)
 from bench_ubatch import UBatchResult, format_ubatch, measure_ubatch
 from capture_sizes_study import format_study, study
-from bench_report import (
-    BACKEND_NOTES, OVERHEAD_TARGET, POOL_LABELS, format_report, machine_info, plot_latency, write_json,
-)
+
 from graphrt import GraphRunner, UBatchConfig
-from graphrt.registry import CaptureReport
 from graphrt.reference import graph_runner_kwargs
+from graphrt.registry import CaptureReport
 
 logger = logging.getLogger("bench")
 

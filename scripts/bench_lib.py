@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from graphrt import ForwardBatch, GraphRunner, pad_forward_batch
-from graphrt.dispatcher import CONTEXT_FIELDS
+from graphrt import ForwardBatch, GraphRunner
+from graphrt.dispatch import CONTEXT_FIELDS
+from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.reference import (
     CachePools,
     ReferenceConfig,

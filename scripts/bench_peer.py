@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
 from bench_lib import Clock, Workload
+
 from graphrt import ForwardBatch
 from graphrt.reference import ReferenceDecoder, run_eager
 

@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-
 from bench_lib import BatchResult, Spread
-
 
 OVERHEAD_TARGET = 10.0  # trivial eager ops per runner call (DESIGN.md)
 BACKEND_NOTES = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphrt import ForwardBatch, ForwardMode
-from graphrt.lockstep import pad_forward_batch
+from graphrt.parallel.lockstep import pad_forward_batch
 
 SCRATCH_SLOT = 0
 CUDA_AVAILABLE = torch.cuda.is_available()

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import decode_batch
-from graphrt import ForwardBatch, ForwardMode, default_capture_sizes
-from graphrt.sizes import SizeGrid, build_pad_table, normalize_capture_sizes
+
+from graphrt import ForwardBatch, ForwardMode
+from graphrt.sizes import SizeGrid, build_pad_table, default_capture_sizes, normalize_capture_sizes
 
 
 def test_forward_mode_predicates():

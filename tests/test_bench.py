@@ -82,6 +82,7 @@ def test_no_plot_writes_no_png(bench, tmp_path):
 
 def test_graph_that_disagrees_with_eager_is_not_timed(bench, monkeypatch):
     import bench_lib
+
     from graphrt import GraphRunner
     from graphrt.reference import graph_runner_kwargs
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt import BufferSpec, InputBufferManager, SimpleBufferPool
-from graphrt.buffer_tiers import (
+from graphrt.pools.buffers import SimpleBufferPool
+from graphrt.pools.tiers import (
     HierarchicalBufferPool,
     PredictiveBufferManager,
     Tier,
     create_input_buffer_manager,
     tier_availability,
 )
+from graphrt.staging import BufferSpec, InputBufferManager
 
 ALL_AVAILABLE = {tier: "" for tier in Tier}
 

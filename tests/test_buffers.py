@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt import BufferSpec, BufferState, InputBufferManager, RowAxis, SimpleBufferPool
-from graphrt.buffers import BufferEntry
+from graphrt.pools.buffers import BufferEntry, BufferState, SimpleBufferPool
+from graphrt.staging import BufferSpec, InputBufferManager, RowAxis
 
 
 def test_buffer_spec_size_and_hash():
@@ -61,7 +61,8 @@ def test_input_slot_set_data_copies_pads_and_rejects_bad_data():
 
 
 def test_manager_stages_inputs_and_serves_views():
-    manager = InputBufferManager(max_batch_size=4, max_seq_len=8)
+    assert InputBufferManager(max_batch_size=4).pool is None  # static slots are allocated once, outside any pool
+    manager = InputBufferManager(SimpleBufferPool(), max_batch_size=4, max_seq_len=8)
     assert set(manager.slots) == {"input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"}
     assert manager.get_slot("input_ids").rows == 8 and manager.get_slot("seq_lens").rows == 4
     manager.stage_inputs({"input_ids": torch.arange(1, 6), "seq_lens": torch.tensor([3, 2], dtype=torch.int32)},

@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
+from graphrt.backends.capture import capture_graph
 from graphrt.backends.cuda import CudaGraphBackend
-from graphrt.capture import capture_graph
 
 
 @pytest.fixture

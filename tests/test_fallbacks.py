@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ToyPagedModel, decode_batch, static_checksums
-from graphrt import EagerReason, ForwardMode, GraphRunner, GraphStatus, wrap
+
+from graphrt import EagerReason, ForwardMode, GraphRunner, wrap
+from graphrt.registry import GraphStatus
 
 
 class FlakyModel(ToyPagedModel):

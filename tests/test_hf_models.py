@@ -18,7 +18,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import graphrt  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -28,6 +27,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
     StaticCache,
 )
+
+import graphrt  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 128

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 pytest.importorskip("hypothesis")
+from conftest import ToyPagedModel
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import ToyPagedModel
 from graphrt import GraphRunner
 from graphrt.batch import ForwardMode
-from graphrt.input_batch import SCRATCH_SLOT, BatchBuilder, InputBatch, InputBuffers, KvSlots
-from graphrt.sampling import SAMPLING_DEFAULTS, SamplingMetadata, sample
+from graphrt.host.input_batch import SCRATCH_SLOT, BatchBuilder, InputBatch, InputBuffers, KvSlots
+from graphrt.host.sampling import SAMPLING_DEFAULTS, SamplingMetadata, sample
 
 
 def make_buffers(**kwargs) -> InputBuffers:

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import decode_batch
+
 from graphrt import ForwardMode, GraphRunner
-from graphrt.lockstep import empty_batch, pad_forward_batch
+from graphrt.parallel.lockstep import empty_batch, pad_forward_batch
 
 WORLD_SIZE = 2
 TIMEOUT_S = 60  # the whole run; a process still alive after it fails the test

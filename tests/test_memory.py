@@ -10,8 +10,8 @@ import pynvml
 import pytest
 import torch
 
-from graphrt import memory
-from graphrt.memory import MemoryInfo, memory_pressure, probe_memory
+from graphrt.pools import memory
+from graphrt.pools.memory import MemoryInfo, memory_pressure, probe_memory
 
 GIB = 1 << 30
 
@@ -23,7 +23,7 @@ def fresh_probe_state(monkeypatch):
 
 
 def nvml_records(caplog, level=logging.INFO):
-    return [r for r in caplog.records if r.name == "graphrt.memory" and r.levelno == level and "NVML" in r.message]
+    return [r for r in caplog.records if r.name == "graphrt.pools.memory" and r.levelno == level and "NVML" in r.message]
 
 
 def test_host_probe_is_sane():
@@ -52,7 +52,7 @@ def test_nvml_error_falls_back_with_one_logged_reason(monkeypatch, caplog):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
 
     monkeypatch.setattr(pynvml, "nvmlInit", fail)
-    caplog.set_level(logging.DEBUG, logger="graphrt.memory")
+    caplog.set_level(logging.DEBUG, logger="graphrt.pools.memory")
     first = probe_memory("cuda:0")
     second = probe_memory("cuda:0")
     assert first.source in ("torch.cuda", "host") and second.source == first.source
@@ -64,7 +64,7 @@ def test_nvml_error_falls_back_with_one_logged_reason(monkeypatch, caplog):
 
 def test_missing_pynvml_falls_back(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
-    caplog.set_level(logging.INFO, logger="graphrt.memory")
+    caplog.set_level(logging.INFO, logger="graphrt.pools.memory")
     info = probe_memory(torch.device("cuda", 0))
     assert info.source != "nvml"
     assert any("pynvml" in r.message for r in caplog.records)
@@ -96,7 +96,7 @@ def test_nvml_numbers_are_used_when_nvml_works(monkeypatch):
 
 def test_nvml_read_failure_falls_back(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(1, 2, read_error=True))
-    caplog.set_level(logging.INFO, logger="graphrt.memory")
+    caplog.set_level(logging.INFO, logger="graphrt.pools.memory")
     assert probe_memory("cuda:0").source != "nvml"
     assert any("NVML cannot read device 0" in r.message for r in caplog.records)
 

@@ -7,9 +7,10 @@ from typing import Dict, List
 
 import pytest
 import torch
-
 from conftest import BACKENDS
-from graphrt import ForwardMode, GraphRunner, UnifiedBatchItem, build_forward_batch
+
+from graphrt import ForwardMode, GraphRunner
+from graphrt.host.unified import UnifiedBatchItem, build_forward_batch
 from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs, run_eager
 from graphrt.reference.kv_cache import CachePools
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 pytest.importorskip("hypothesis")
+from conftest import ToyPagedModel, decode_batch, pad_batch, static_checksums  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from test_sizes_autotune import padded_tokens  # noqa: E402
 
-from conftest import ToyPagedModel, decode_batch, pad_batch, static_checksums  # noqa: E402
 from graphrt import ForwardMode, GraphRunner, wrap  # noqa: E402
 from graphrt.sizes import choose_capture_sizes  # noqa: E402
-from test_sizes_autotune import padded_tokens  # noqa: E402
 
 MAX_BS = 16
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

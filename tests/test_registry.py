@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import decode_batch
-from graphrt import (
-    BACKEND_NAMES,
-    BufferPool,
-    CaptureReport,
-    Decision,
-    EagerReason,
-    ForwardMode,
-    GraphedCallable,
-    GraphEntry,
-    GraphKey,
-    GraphRegistry,
-    GraphRunner,
-    GraphStatus,
-    ReplayDispatcher,
-    SimpleBufferPool,
-    wrap,
-)
-from graphrt.backends import EmulatedBackend, resolve_backend_name
+
+from graphrt import CaptureReport, EagerReason, ForwardMode, GraphedCallable, GraphKey, GraphRunner, wrap
+from graphrt.backends import BACKEND_NAMES, EmulatedBackend, resolve_backend_name
+from graphrt.dispatch import Decision, ReplayDispatcher
+from graphrt.pools.buffers import BufferPool, SimpleBufferPool
+from graphrt.registry import GraphEntry, GraphRegistry, GraphStatus
 from graphrt.sizes import SizeGrid
 
 DECODE, EXTEND = ForwardMode.DECODE, ForwardMode.EXTEND

@@ -9,10 +9,11 @@ import tracemalloc
 
 import pytest
 import torch
-
 from conftest import BACKENDS, decode_batch
-from graphrt import GraphRunner, GraphStatus
+
+from graphrt import GraphRunner
 from graphrt.debug import StaleOutputError
+from graphrt.registry import GraphStatus
 
 MAX_BS = 16
 

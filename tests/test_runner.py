@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import BACKENDS, SCRATCH_SLOT, ToyPagedModel, decode_batch, pad_batch
-from graphrt import ForwardMode, GraphRunner, default_capture_sizes
+
+from graphrt import ForwardMode, GraphRunner
+from graphrt.sizes import default_capture_sizes
 
 MAX_BS = 24
 # Different batch sizes may pick different GEMM kernels, so real-size eager is compared with a tolerance.

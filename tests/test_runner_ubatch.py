@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import BACKENDS, ToyPagedModel, decode_batch
+
 from graphrt import GraphRunner
 from graphrt.ubatch import UBatchConfig
 

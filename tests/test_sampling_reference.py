@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from graphrt import BatchBuilder, GraphRunner, InputBuffers, KvSlots, sample
+from graphrt import GraphRunner
+from graphrt.host.input_batch import BatchBuilder, InputBuffers, KvSlots
+from graphrt.host.sampling import sample
 from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs, run_eager
 
 # (temperature, top_k, top_p) per request: greedy, top_k=1 (argmax too), tempered, tempered + nucleus.

@@ -9,10 +9,16 @@ import weakref
 
 import pytest
 import torch
-
 from conftest import BACKENDS, ToyPagedModel, decode_batch, pad_batch
-from graphrt import ForwardMode, GraphRunner, default_capture_sizes
-from graphrt.sizes import choose_capture_sizes, fallback_capture_sizes, padding_waste, uncovered_steps
+
+from graphrt import ForwardMode, GraphRunner
+from graphrt.sizes import (
+    choose_capture_sizes,
+    default_capture_sizes,
+    fallback_capture_sizes,
+    padding_waste,
+    uncovered_steps,
+)
 from graphrt.stats import load_histogram, save_histogram
 
 

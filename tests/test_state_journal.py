@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.state_journal import StateJournal
+from graphrt.backends.state_journal import StateJournal
 
 
 def journaled(step):

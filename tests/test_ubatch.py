@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from ubatch_helpers import SIZE_SETS, SIZES, batch_model, call_and_close, make_batch  # noqa: E402
+
 from graphrt.ubatch import (
     DynamicUBatchWrapper,
     UBatchConfig,

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from ubatch_helpers import SIZE_SETS, SIZES, batch_model  # noqa: E402
 
 from graphrt.ubatch import UBatchConfig, UBatchState, UBatchWrapper, make_ubatch_contexts
-from ubatch_helpers import SIZE_SETS, SIZES, batch_model  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None)
 

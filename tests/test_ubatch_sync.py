@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from ubatch_helpers import SIZES, batch_model, call_and_close, make_batch
 
 from graphrt.batch import ForwardBatch
 from graphrt.ubatch import (
@@ -19,7 +20,6 @@ from graphrt.ubatch import (
     UBatchWrapper,
     current_ubatch,
 )
-from ubatch_helpers import SIZES, batch_model, call_and_close, make_batch
 
 JOIN_S = 20.0
 

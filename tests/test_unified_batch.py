@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from graphrt.batch import ForwardMode
-from graphrt.input_batch import InputBuffers
-from graphrt.unified import UnifiedBatchItem, build_forward_batch
+from graphrt.host.input_batch import InputBuffers
+from graphrt.host.unified import UnifiedBatchItem, build_forward_batch
 
 
 @dataclass

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import BACKENDS
+
 from graphrt import wrap
 
 

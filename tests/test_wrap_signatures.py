@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
 from conftest import ToyPagedModel, decode_batch
+
 from graphrt import ForwardMode, GraphRunner, wrap
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -7,8 +7,8 @@ from typing import Optional, Union
 
 import torch
 
-from .base import CapturedGraph, GraphBackend
-from .emulated import EmulatedBackend
+from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.emulated import EmulatedBackend
 
 BACKEND_NAMES = ("auto", "cuda", "emulated", "eager")
 DISABLE_ENV = "GRAPHRT_DISABLE"
@@ -43,7 +43,7 @@ def make_backend(name: str, device: Optional[torch.device] = None) -> Optional[G
     if name == "eager":
         return None
     if name == "cuda":
-        from .cuda import CudaGraphBackend
+        from graphrt.backends.cuda import CudaGraphBackend
 
         return CudaGraphBackend(device)
     return EmulatedBackend(device)

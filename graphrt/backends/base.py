@@ -18,7 +18,7 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures callables into replayable graphs; warm-up and undo live in graphrt.capture."""
+    """Captures callables into replayable graphs; warm-up and undo live in graphrt.backends.capture."""
 
     name: str
     capture_executes: bool  # True when capture runs the step's ops (its writes must be undone)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .session import gc_frozen
+from graphrt.backends.session import gc_frozen
 
 logger = logging.getLogger(__name__)
 

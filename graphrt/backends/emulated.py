@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .op_graph import OpGraph, OpRecorder, build_op_graph
-from .session import gc_frozen
+from graphrt.backends.op_graph import OpGraph, OpRecorder, build_op_graph
+from graphrt.backends.session import gc_frozen
 
 
 class EmulatedGraph:

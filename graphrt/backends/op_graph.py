@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..state_journal import storage_key
+from graphrt.backends.state_journal import storage_key
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

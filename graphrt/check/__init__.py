@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from ..graphed_callable import GraphedCallable
-from .callables import check_callable
-from .hazards import HAZARDS, Hazard, Severity
-from .inputs import Arguments
-from .report import ArgumentInfo, CheckReport, Finding, StateWrite
+from graphrt.check.callables import check_callable
+from graphrt.check.hazards import HAZARDS, Hazard, Severity
+from graphrt.check.inputs import Arguments
+from graphrt.check.report import ArgumentInfo, CheckReport, Finding, StateWrite
+from graphrt.graphed_callable import GraphedCallable
 
 
 def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequence[Arguments]] = None,
@@ -32,7 +32,7 @@ def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequenc
     compare op graphs with (default: the example with every input tensor's values rolled by
     one). The model's tensors, Python bindings and random generators are left as they were.
     """
-    from ..runner import GraphRunner  # graphrt.runner imports this package
+    from graphrt.runner import GraphRunner  # graphrt.runner imports this package
 
     if isinstance(fn, GraphRunner):
         if variants is not None or example_kwargs:

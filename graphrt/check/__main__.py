@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any, List, Optional
 
-from . import CheckReport, check
+from graphrt.check import CheckReport, check
 
 USAGE_ERROR = 2
 

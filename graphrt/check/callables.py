@@ -12,11 +12,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .inputs import Arguments, CallTree, argument_names, padded_size, wrap_signature
-from .names import callable_roots
-from .recording import Step, preserved_random_state, preserved_state, raising_line
-from .report import CheckReport
-from .session import CheckSession
+from graphrt.check.inputs import Arguments, CallTree, argument_names, padded_size, wrap_signature
+from graphrt.check.names import callable_roots
+from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
+from graphrt.check.report import CheckReport
+from graphrt.check.session import CheckSession
 
 
 def check_callable(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],

@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..backends.op_graph import RecordedOp
-from .dataflow import op_name
-from .names import ObjectGraph
-from .recording import Recording, source_text, tensor_leaves
-from .report import Finding
+from graphrt.backends.op_graph import RecordedOp
+from graphrt.check.dataflow import op_name
+from graphrt.check.names import ObjectGraph
+from graphrt.check.recording import Recording, source_text, tensor_leaves
+from graphrt.check.report import Finding
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 _TOLERANCE = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2)}  # (rtol, atol); float32/64: 1e-4, 1e-5

@@ -13,12 +13,17 @@ from typing import Any, List, Sequence, Set, Tuple
 
 import torch
 
-from ..backends.op_graph import RecordedOp
-from ..state_journal import (
-    INDEX_DIM_WRITERS, INDEX_PUT_WRITERS, SCATTER_WRITERS, allocated_storages, op_base_name, storage_key,
+from graphrt.backends.op_graph import RecordedOp
+from graphrt.backends.state_journal import (
+    INDEX_DIM_WRITERS,
+    INDEX_PUT_WRITERS,
+    SCATTER_WRITERS,
+    allocated_storages,
+    op_base_name,
+    storage_key,
     written_tensors,
 )
-from .recording import tensor_leaves
+from graphrt.check.recording import tensor_leaves
 
 _aten = torch.ops.aten
 

@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..backends.op_graph import RecordedOp
-from ..state_journal import storage_key
-from .dataflow import (
+from graphrt.backends.op_graph import RecordedOp
+from graphrt.backends.state_journal import storage_key
+from graphrt.check.dataflow import (
     Write,
     argument,
     draws_random,
@@ -22,9 +22,9 @@ from .dataflow import (
     op_name,
     state_writes,
 )
-from .names import ObjectGraph, Rebinding
-from .recording import Recording, source_text, tensor_leaves
-from .report import Finding, StateWrite
+from graphrt.check.names import ObjectGraph, Rebinding
+from graphrt.check.recording import Recording, source_text, tensor_leaves
+from graphrt.check.report import Finding, StateWrite
 
 _NUMBERS = (bool, int, float)
 _HOST_READ_NAMES = {"aten._local_scalar_dense": "a Python number from a tensor (.item(), int(), float(), bool(), `if t:`)"}

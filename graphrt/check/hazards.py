@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Dict
 
-from ..dispatcher import EagerReason
+from graphrt.dispatch import EagerReason
 
 SILENT = "silent"  # the graph replays; outputs or state differ from eager and nothing says so
 REPLAYS = "replays"  # the graph replays and behaves as documented

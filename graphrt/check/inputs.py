@@ -1,7 +1,7 @@
 """The inputs the check gives a step: the named example, a rolled variant, a padded copy, and
 how ``wrap()`` treats each argument.
 
-Arguments are pytrees as ``wrap()`` sees them (graphrt.tensor_tree): tensors nested in tuples,
+Arguments are pytrees as ``wrap()`` sees them (graphrt.layout.tensor_tree): tensors nested in tuples,
 lists, dicts and dataclasses (a ForwardBatch) are inputs, named by their path from the
 parameter name (``forward_batch.input_ids``). The variant must be valid for the model or the
 comparison reports noise, so it is made of the example's own values: each input tensor rolled
@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..call_signature import CallSignature, Constant, TensorEvidence, flatten_call
-from ..sizes import default_capture_sizes
-from ..tensor_tree import leaf_paths, unflatten
-from .report import ArgumentInfo, Finding
+from graphrt.check.report import ArgumentInfo, Finding
+from graphrt.layout.call_signature import CallSignature, Constant, TensorEvidence, flatten_call
+from graphrt.layout.tensor_tree import leaf_paths, unflatten
+from graphrt.sizes import default_capture_sizes
 
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
 
@@ -100,7 +100,7 @@ def _pad(tensor: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 
 
 def wrap_signature(tree: CallTree, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Signature:
-    """The classification ``wrap()`` makes on its first call (graphrt.call_signature), per leaf."""
+    """The classification ``wrap()`` makes on its first call (graphrt.layout.call_signature), per leaf."""
     try:
         signature = CallSignature.first_call(args, kwargs, max_batch_size=1)
     except ValueError as error:

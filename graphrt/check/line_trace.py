@@ -12,9 +12,9 @@ import sys
 from types import FrameType
 from typing import Any, Callable, Dict, List, Optional
 
-from ..backends.op_graph import SourceLine, is_model_file
-from .names import ObjectGraph, Rebinding
-from .recording import Step, preserved_state, source_text
+from graphrt.backends.op_graph import SourceLine, is_model_file
+from graphrt.check.names import ObjectGraph, Rebinding
+from graphrt.check.recording import Step, preserved_state, source_text
 
 
 def rebinding_lines(step: Step, graph: ObjectGraph, rebindings: List[Rebinding]) -> Dict[str, str]:

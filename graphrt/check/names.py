@@ -23,7 +23,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..state_journal import storage_key
+from graphrt.backends.state_journal import storage_key
 
 MAX_DEPTH = 8
 MAX_ITEMS = 4096  # containers larger than this are not entered (token lists, vocabularies)

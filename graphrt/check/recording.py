@@ -19,15 +19,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..backends.op_graph import (
+from graphrt.backends.op_graph import (
     OpRecorder,
     RecordedOp,
     SourceLine,
     is_model_file,
     model_source_line,
 )
-from ..state_journal import StateJournal
-from .names import ObjectGraph, Rebinding, Snapshot
+from graphrt.backends.state_journal import StateJournal
+from graphrt.check.names import ObjectGraph, Rebinding, Snapshot
 
 
 def tensor_leaves(value: Any) -> List[torch.Tensor]:

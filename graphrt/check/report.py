@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .hazards import HAZARDS, Severity
+from graphrt.check.hazards import HAZARDS, Severity
 
 
 @dataclass

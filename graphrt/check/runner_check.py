@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..batch import ForwardBatch
-from ..dispatcher import EagerReason
-from ..lockstep import pad_forward_batch
-from ..registry import GraphEntry, GraphKey
-from .inputs import CallTree
-from .names import callable_roots
-from .recording import Step, preserved_random_state, preserved_state, raising_line
-from .report import CheckReport
-from .session import CheckSession
+from graphrt.batch import ForwardBatch
+from graphrt.check.inputs import CallTree
+from graphrt.check.names import callable_roots
+from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
+from graphrt.check.report import CheckReport
+from graphrt.check.session import CheckSession
+from graphrt.dispatch import EagerReason
+from graphrt.parallel.lockstep import pad_forward_batch
+from graphrt.registry import GraphEntry, GraphKey
 
 if TYPE_CHECKING:
-    from ..runner import GraphRunner
+    from graphrt.runner import GraphRunner
 
 # Keys whose entries exist but are not replayable yet: the example still pads to them.
 _KEY_KNOWN = (None, EagerReason.NOT_CAPTURED, EagerReason.CAPTURE_FAILED, EagerReason.DISABLED)

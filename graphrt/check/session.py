@@ -14,19 +14,19 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .compare import divergence, padding_leak
-from .dataflow import draws_random
-from .findings import (
+from graphrt.check.compare import divergence, padding_leak
+from graphrt.check.dataflow import draws_random
+from graphrt.check.findings import (
     Namer,
     hazardous_rebindings,
     rebinding_findings,
     recording_findings,
     state_table,
 )
-from .line_trace import rebinding_lines
-from .names import ObjectGraph
-from .recording import Recording, Step, record
-from .report import CheckReport, Finding
+from graphrt.check.line_trace import rebinding_lines
+from graphrt.check.names import ObjectGraph
+from graphrt.check.recording import Recording, Step, record
+from graphrt.check.report import CheckReport, Finding
 
 logger = logging.getLogger(__name__)
 

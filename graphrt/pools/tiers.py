@@ -4,7 +4,7 @@ Tiers, fastest first for host staging: pinned host memory (async host-to-device 
 pageable host memory, device memory, and managed memory. A tier is available only where
 this machine can allocate it; the rest are reported with the reason. Buffers of a spec that
 keeps being reused are promoted to the faster tier; under memory pressure (a tier over its
-byte budget, or device pressure from ``graphrt.memory``) released buffers are demoted or freed.
+byte budget, or device pressure from ``graphrt.pools.memory``) released buffers are demoted or freed.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Callable, Deque, Dict, List, Optional
 
 import torch
 
-from .buffers import BufferPool, BufferSpec, InputBufferManager, SimpleBufferPool
-from .memory import memory_pressure
+from graphrt.pools.buffers import BufferPool, SimpleBufferPool
+from graphrt.pools.memory import memory_pressure
+from graphrt.staging import BufferSpec, InputBufferManager
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """CallSignature: how wrap() stages one call's arguments, learned from the calls themselves.
 
-Arguments are pytrees (graphrt.tensor_tree): a tensor nested in tuples, lists, dicts or
+Arguments are pytrees (graphrt.layout.tensor_tree): a tensor nested in tuples, lists, dicts or
 dataclasses gets a static slot like a top-level one. The batch size of a call is dim 0 of its
 first tensor that has a dimension. Every other tensor is *batched* along the one dimension whose
 size is the batch size (padded; its slot is stored batch-first and the function sees a
@@ -23,8 +23,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
-from .buffers import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
-from .tensor_tree import flatten, is_plain_constant, leaf_paths, same_value, unflatten
+from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value, unflatten
+from graphrt.staging import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Static input buffers for graph capture/replay (seed 001, core part).
+"""Static input slots and staging: the tensors every graph reads, refilled each step.
 
 Every graph key reads views of the same static tensors, allocated once for the
 largest key. Staging copies the live rows with one ``torch._foreach_copy_`` for
@@ -10,23 +10,13 @@ pad value, so steady decode at one batch size stages with a single call.
 from __future__ import annotations
 
 import enum
-import logging
-import time
-from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-
-class BufferState(enum.Enum):
-    """Lifecycle of a pooled buffer."""
-
-    FREE = enum.auto()
-    IN_USE = enum.auto()
+if TYPE_CHECKING:
+    from graphrt.pools.buffers import BufferPool
 
 
 @dataclass(frozen=True)
@@ -46,89 +36,6 @@ class BufferSpec:
 
     def __hash__(self) -> int:
         return hash((self.shape, self.dtype, str(self.device), self.pin_memory))
-
-
-@dataclass
-class BufferEntry:
-    """A pooled tensor with its state and last use, for LRU eviction."""
-
-    spec: BufferSpec
-    tensor: torch.Tensor
-    state: BufferState = BufferState.FREE
-    last_used: float = field(default_factory=time.monotonic)
-    use_count: int = 0
-
-    def mark_in_use(self) -> None:
-        self.state = BufferState.IN_USE
-        self.last_used = time.monotonic()
-        self.use_count += 1
-
-    def release(self) -> None:
-        self.state = BufferState.FREE
-        self.last_used = time.monotonic()
-
-
-class BufferPool(ABC):
-    """Hands out tensors by spec and takes them back for reuse."""
-
-    @abstractmethod
-    def allocate(self, spec: BufferSpec) -> torch.Tensor:
-        """A tensor matching ``spec`` (reused when a released one exists)."""
-
-    @abstractmethod
-    def release(self, tensor: torch.Tensor) -> None:
-        """Return ``tensor`` to the pool."""
-
-    @abstractmethod
-    def clear(self) -> None:
-        """Drop every buffer the pool holds."""
-
-
-class SimpleBufferPool(BufferPool):
-    """One-tier pool: reuses released buffers of the same spec, evicts the least recently used."""
-
-    def __init__(self, max_buffers: int = 64) -> None:
-        if max_buffers < 1:
-            raise ValueError(f"max_buffers: expected a positive int, got {max_buffers!r}")
-        self.max_buffers = max_buffers
-        self._entries: "OrderedDict[int, BufferEntry]" = OrderedDict()
-
-    def allocate(self, spec: BufferSpec) -> torch.Tensor:
-        for entry in self._entries.values():
-            if entry.state is BufferState.FREE and entry.spec == spec:
-                entry.mark_in_use()
-                self._entries.move_to_end(id(entry.tensor))
-                return entry.tensor
-        if len(self._entries) >= self.max_buffers:
-            self._evict_oldest()
-        entry = BufferEntry(spec, self._create_tensor(spec))
-        entry.mark_in_use()
-        self._entries[id(entry.tensor)] = entry
-        return entry.tensor
-
-    def _create_tensor(self, spec: BufferSpec) -> torch.Tensor:
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
-
-    def _evict_oldest(self) -> None:
-        for key, entry in self._entries.items():
-            if entry.state is BufferState.FREE:
-                del self._entries[key]
-                logger.debug("evicted buffer %s", entry.spec)
-                return
-        raise MemoryError(f"buffer pool full: all {self.max_buffers} buffers are in use")
-
-    def release(self, tensor: torch.Tensor) -> None:
-        entry = self._entries.get(id(tensor))
-        if entry is None:
-            raise ValueError("tensor: not allocated by this pool")
-        entry.release()
-        self._entries.move_to_end(id(tensor))
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 class RowAxis(enum.Enum):
@@ -203,21 +110,22 @@ class InputSlot:
 
 
 class InputBufferManager:
-    """Owns the static input slots of one runner: registration, staging, views (seed 001).
+    """Owns the static input slots of one runner: registration, staging, views.
 
     ``max_batch_size`` sizes per-request slots; ``max_seq_len`` sizes per-token slots
     (the most tokens one step stages; equal to ``max_batch_size`` for decode-only graphs).
+    Slots are allocated directly, once; with ``pool`` they come from (and return to) that pool.
     """
 
     def __init__(
         self,
-        pool: Optional[BufferPool] = None,
+        pool: Optional["BufferPool"] = None,
         max_batch_size: int = 64,
         max_seq_len: Optional[int] = None,
         device: Optional[torch.device] = None,
         register_defaults: bool = True,
     ) -> None:
-        self.pool = pool if pool is not None else SimpleBufferPool()
+        self.pool = pool
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len if max_seq_len is not None else max_batch_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -247,8 +155,8 @@ class InputBufferManager:
     ) -> InputSlot:
         """Allocate the static tensor for ``name`` once; re-registering replaces the slot."""
         if name in self.slots:
-            self.pool.release(self.slots.pop(name).tensor)
-        slot = InputSlot(name, spec, self.pool.allocate(spec), axis=axis, pad_value=pad_value, is_static=is_static)
+            self._free(self.slots.pop(name).tensor)
+        slot = InputSlot(name, spec, self._allocate(spec), axis=axis, pad_value=pad_value, is_static=is_static)
         self.slots[name] = slot
         return slot
 
@@ -299,10 +207,19 @@ class InputBufferManager:
         return sum(slot.spec.size_bytes() for slot in self.slots.values())
 
     def release_all(self) -> None:
-        """Give every slot's tensor back to the pool and forget the slots."""
+        """Give every slot's tensor back to its pool (if any) and forget the slots."""
         for slot in self.slots.values():
-            self.pool.release(slot.tensor)
+            self._free(slot.tensor)
         self.slots.clear()
+
+    def _allocate(self, spec: BufferSpec) -> torch.Tensor:
+        if self.pool is not None:
+            return self.pool.allocate(spec)
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
+
+    def _free(self, tensor: torch.Tensor) -> None:
+        if self.pool is not None:
+            self.pool.release(tensor)
 
 
 class StagingPlan:

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .batch import ForwardBatch, ForwardMode
-from .dispatcher import Decision, EagerReason, GraphDispatcher
-from .registry import GraphEntry, GraphKey, GraphStatus
+from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.dispatch import Decision, EagerReason, GraphDispatcher
+from graphrt.registry import GraphEntry, GraphKey, GraphStatus
 
 logger = logging.getLogger(__name__)
 

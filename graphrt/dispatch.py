@@ -3,7 +3,7 @@
 The per-step path reads only metadata (dtypes, shapes, Python ints) and never reads
 device memory: one table lookup, one fused staging copy, the attention replay hook,
 the replay, and a cached cut of the static outputs. Outputs are cut along the batch axes
-learned from their shapes (graphrt.batch_axes); a padded step whose outputs cannot be cut
+learned from their shapes (graphrt.layout.batch_axes); a padded step whose outputs cannot be cut
 runs eagerly instead.
 """
 
@@ -15,13 +15,13 @@ from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, 
 
 import torch
 
-from .batch import ForwardBatch, ForwardMode
-from .batch_axes import CannotCut, CutPlan, OutputAxes
-from .buffers import InputBufferManager, InputSlot, StagingPlan
-from .debug import GenerationCounter, guard_outputs
-from .registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
-from .stats import RuntimeStats
-from .tensor_tree import flatten, is_plain_constant, leaf_paths, unflatten
+from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.debug import GenerationCounter, guard_outputs
+from graphrt.layout.batch_axes import CannotCut, CutPlan, OutputAxes
+from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, unflatten
+from graphrt.registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus
+from graphrt.staging import InputBufferManager, InputSlot, StagingPlan
+from graphrt.stats import RuntimeStats
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .buffers import RowAxis
-from .tensor_tree import is_plain_constant, leaf_paths
+from graphrt.layout.tensor_tree import is_plain_constant, leaf_paths
+from graphrt.staging import RowAxis
 
 
 class LeafCut(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from graphrt.sampling import SAMPLING_DEFAULTS, SamplingMetadata
+from graphrt.host.sampling import SAMPLING_DEFAULTS, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 

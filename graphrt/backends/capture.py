@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from .backends.base import CapturedGraph, GraphBackend
-from .state_journal import StateJournal
+from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.state_journal import StateJournal
 
 
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int) -> CapturedGraph:

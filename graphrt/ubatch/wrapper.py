@@ -1,21 +1,10 @@
-"""Micro-batching (seed 002): split a batch into pieces that land on captured graph sizes.
-
-A batch larger than the largest captured size would run eagerly; cut between
-requests into pieces of captured sizes, it replays graphs instead.
-``UBatchWrapper.compute_slices`` plans the cut (least padding, then fewest
-pieces), the wrapper slices every input (tensors by token or request rows, a
-ForwardBatch through ``split_forward_batch``), runs the pieces in order or on
-worker threads (on CUDA each on its own stream, started together through a
-``UBatchBarrier``), and concatenates the outputs along dim 0.
+"""UBatchWrapper: run one call as micro-batches of captured sizes, in order or on worker threads.
 
 Outputs that are views of static buffers (a graph replay) are overwritten by the
 next replay of the same size, so in sequential mode a piece's outputs are copied
 when a later piece of the same call pads to the same captured size. Threaded mode
 needs a runnable that is safe to call from several threads at once (an eager
 model, not one shared graph runner with one set of static buffers).
-
-Planning and slicing live in ``graphrt.ubatch_plan``, contexts and the barrier in
-``graphrt.ubatch_sync``; their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,36 +22,15 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from graphrt.memory import memory_pressure
-from graphrt.ubatch_plan import CallInputs, UBatchSlice, _call_shape, _SizePlanner, _slice_tree, split_forward_batch
-from graphrt.ubatch_sync import (
+from graphrt.pools.memory import memory_pressure
+from graphrt.ubatch.plan import CallInputs, UBatchSlice, _call_shape, _SizePlanner, _slice_tree
+from graphrt.ubatch.sync import (
     UBatchBarrier,
-    UBatchBarrierError,
     UBatchContext,
-    UBatchState,
     UBatchTimeoutError,
-    UbatchMetadata,
-    current_ubatch,
-    make_ubatch_contexts,
 )
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "DynamicUBatchWrapper",
-    "UBatchBarrier",
-    "UBatchBarrierError",
-    "UBatchConfig",
-    "UBatchContext",
-    "UBatchSlice",
-    "UBatchState",
-    "UBatchTimeoutError",
-    "UBatchWrapper",
-    "UbatchMetadata",
-    "current_ubatch",
-    "make_ubatch_contexts",
-    "split_forward_batch",
-]
 
 
 @dataclass(frozen=True)
@@ -340,7 +308,7 @@ class DynamicUBatchWrapper(UBatchWrapper):
         return sizes[max(0, bisect.bisect_right(sizes, tokens) - 1)] if sizes else max(1, tokens)
 
     def _get_memory_usage(self) -> float:
-        """Current memory pressure in [0, 1] from the injected probe (default: graphrt.memory.memory_pressure)."""
+        """Current memory pressure in [0, 1] from the injected probe (default: graphrt.pools.memory.memory_pressure)."""
         return min(1.0, max(0.0, float(self._pressure_fn())))
 
     def record_timing(self, num_tokens: int, elapsed: float) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from graphrt.batch import ForwardBatch
-from graphrt.input_batch import BatchBuilder, InputBuffers, KvSlots
+from graphrt.host.input_batch import BatchBuilder, InputBuffers, KvSlots
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Host-built batches (seed 000): InputBatch and BatchBuilder over the packed arena of ``graphrt.arena``.
+"""Host-built batches (seed 000): InputBatch and BatchBuilder over the packed arena of ``graphrt.host.arena``.
 
 The builder writes every integer field of a step (token ids, positions, KV slots,
 per-request lengths, block table) into one host arena through numpy, then copies
@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from graphrt.arena import DUMMY_REQ_POOL_INDEX, SCRATCH_SLOT, InputBuffers
 from graphrt.batch import ForwardBatch, ForwardMode
-from graphrt.sampling import SAMPLING_DEFAULTS, SamplingMetadata, check_sampling_values
+from graphrt.host.arena import DUMMY_REQ_POOL_INDEX, SCRATCH_SLOT, InputBuffers
+from graphrt.host.sampling import SAMPLING_DEFAULTS, SamplingMetadata, check_sampling_values
 
 logger = logging.getLogger(__name__)
 

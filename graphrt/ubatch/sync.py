@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from graphrt.batch import ForwardBatch
-from graphrt.ubatch_plan import UBatchSlice
+from graphrt.ubatch.plan import UBatchSlice
 
 __all__ = [
     "UBatchBarrier",

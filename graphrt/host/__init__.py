@@ -1,0 +1,1 @@
+"""Host-side batch building: request arenas, input batches, sampling metadata, unified batches."""

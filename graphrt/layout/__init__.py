@@ -1,0 +1,1 @@
+"""Where the batch lives in a call: argument signatures, output batch axes, tensor pytrees."""

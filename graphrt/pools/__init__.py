@@ -1,0 +1,1 @@
+"""Buffer pools and tiers, and memory probes: optional allocation strategies beside the static slots."""
