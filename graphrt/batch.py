@@ -1,4 +1,4 @@
-"""ForwardMode and ForwardBatch (seed 003): every tensor one forward pass needs.
+"""ForwardMode and ForwardBatch: every tensor one forward pass needs.
 
 ``ForwardBatch.validate()`` is the single gate for bad input: it checks dtypes,
 shapes, devices and counts from metadata only, and checks tensor *values* only
@@ -85,7 +85,7 @@ MULTIMODAL_FIELDS = ("mrope_position_deltas", "pixel_values", "image_grid_thw")
 
 @dataclass
 class ForwardBatch:
-    """All tensors required by a single forward pass through the model (seed 003)."""
+    """All tensors required by a single forward pass through the model."""
 
     forward_mode: ForwardMode
     batch_size: int

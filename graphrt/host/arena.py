@@ -1,4 +1,4 @@
-"""The packed integer arena behind host-built batches (seed 000's InputBuffers).
+"""The packed integer arena behind host-built batches.
 
 Every integer field of a step lives in one host tensor (pinned when the batch goes to a CUDA
 device) and one device tensor of the same layout, so a step is staged with a single copy.

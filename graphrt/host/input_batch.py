@@ -1,4 +1,4 @@
-"""Host-built batches (seed 000): InputBatch and BatchBuilder over the packed arena of ``graphrt.host.arena``.
+"""Host-built batches: InputBatch and BatchBuilder over the packed arena of ``graphrt.host.arena``.
 
 The builder writes every integer field of a step (token ids, positions, KV slots,
 per-request lengths, block table) into one host arena through numpy, then copies

@@ -1,4 +1,4 @@
-"""Per-request sampling (seed 000's SamplingMetadata): parameters, penalties, and one sampling step."""
+"""Per-request sampling: parameters, penalties, and one sampling step."""
 
 from __future__ import annotations
 

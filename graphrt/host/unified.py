@@ -1,4 +1,4 @@
-"""Unified mixed batches (seed 004): prefill chunks and decode steps in one ForwardBatch.
+"""Unified mixed batches: prefill chunks and decode steps in one ForwardBatch.
 
 Each ``UnifiedBatchItem`` is one sequence's work for this step: a prefill chunk
 (possibly continuing at ``pos_offset > 0``) or a one-token decode. All ``q_tokens``

@@ -1,4 +1,4 @@
-"""Seed 001, beyond the core: a tiered buffer pool, a predictive manager, and the factory.
+"""Tiered buffer pools, a predictive input-buffer manager, and the factory that picks one.
 
 Tiers, fastest first for host staging: pinned host memory (async host-to-device copies),
 pageable host memory, device memory, and managed memory. A tier is available only where

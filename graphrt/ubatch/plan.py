@@ -1,4 +1,4 @@
-"""Micro-batch planning and slicing (seed 002): which rows each micro-batch gets.
+"""Micro-batch planning and slicing: which rows each micro-batch gets.
 
 ``_SizePlanner`` cuts a batch between requests into pieces that land on captured
 graph sizes (least padding, then fewest pieces); ``split_forward_batch`` turns the

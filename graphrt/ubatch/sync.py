@@ -1,4 +1,4 @@
-"""Micro-batch synchronization (seed 002): states, execution contexts, the barrier.
+"""Micro-batch synchronization: states, execution contexts, the barrier.
 
 A ``UBatchContext`` runs one micro-batch (on its CUDA stream in threaded CUDA
 calls), exposes it to the model through ``current_ubatch()`` and signals its
