@@ -79,6 +79,8 @@ EXTEND_FIELDS = (
 )
 DECODE_SPECS = TOKEN_FIELDS + REQUEST_FIELDS
 EXTEND_SPECS = DECODE_SPECS + EXTEND_FIELDS
+# The objects every batch of one runner shares; its graphs are bound to them.
+CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
 # Optional multimodal tensors: graphs are captured without them.
 MULTIMODAL_FIELDS = ("mrope_position_deltas", "pixel_values", "image_grid_thw")
 

@@ -27,10 +27,10 @@ import torch
 
 from graphrt.backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from graphrt.batch import ForwardMode, debug_enabled
-from graphrt.dispatch import EagerReason, GraphDispatcher, output_leaves_step
-from graphrt.layout.call_signature import CallSignature
+from graphrt.dispatch import OutputCutter
+from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.rebind_guard import RebindGuard
-from graphrt.registry import CaptureReport, GraphEntry, GraphKey, GraphRegistry
+from graphrt.registry import CaptureReport, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
 
@@ -65,11 +65,9 @@ class GraphedCallable:
         self.progress = progress
         self.warmup_iters = warmup_iters
         self._warm_calls: Dict[GraphKey, int] = {}
-        self.stats_counters = RuntimeStats()
+        self._stats = RuntimeStats()
         self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters)
-        self.dispatcher = GraphDispatcher(
-            self.registry, self.stats_counters, copy_outputs, debug_enabled() if debug is None else debug
-        )
+        self.outputs = OutputCutter(self.registry, copy_outputs, debug_enabled() if debug is None else debug)
         self.signature: Optional[CallSignature] = None
         self.signature_changes = 0
         self._mismatch_logged = False
@@ -88,8 +86,22 @@ class GraphedCallable:
         self.registry.clear()
         self._warm_calls.clear()
         if self.backend_name != "eager":
-            self.registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes), signature.static_arguments)
+            self.registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes), self._make_entry)
         return signature
+
+    def _make_entry(self, key: GraphKey) -> GraphEntry[StaticCall]:
+        """A key's entry: the static-slot arguments its graph reads, and ``fn`` on them (guarded
+        against rebinding the state of object arguments, which may be returned as they are)."""
+        static = self.signature.static_arguments(key.num_tokens)
+        objects = self.signature.objects
+
+        def step() -> Any:
+            if not objects:
+                return self.fn(*static.args, **static.kwargs)
+            with RebindGuard(objects):
+                return self.fn(*static.args, **static.kwargs)
+
+        return GraphEntry(key, static, step, passthrough=frozenset(id(obj) for _, obj in objects))
 
     def _call_layout(self, args: tuple, kwargs: dict) -> Tuple[CallSignature, List[Any], int, bool]:
         """The signature for this call (a refined one if the call decides a batch axis), the call's
@@ -135,20 +147,7 @@ class GraphedCallable:
             def stage_example(entry: GraphEntry) -> None:
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
 
-            return self.registry.capture_all(self._make_callable, stage_example, progress=self.progress)
-
-    def _make_callable(self, entry: GraphEntry) -> Callable[[], List[Any]]:
-        """The step a graph records: ``fn`` on the key's static arguments, returning its output leaves."""
-        args, kwargs = entry.inputs
-        objects = self.signature.objects
-
-        def step() -> Any:
-            if not objects:
-                return self.fn(*args, **kwargs)
-            with RebindGuard(objects):
-                return self.fn(*args, **kwargs)
-
-        return output_leaves_step(entry, step, passthrough={id(obj) for _, obj in objects})
+            return self.registry.capture_all(stage_example, progress=self.progress)
 
     # ---- per call ---------------------------------------------------------------------------------
 
@@ -157,7 +156,7 @@ class GraphedCallable:
         with self._lock:
             signature, leaves, batch_size, matched = self._call_layout(args, kwargs)
             if batch_size:
-                self.stats_counters.record_size(MODE, batch_size)
+                self._stats.record_size(MODE, batch_size)
             if torch.is_grad_enabled():
                 if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
                     return self._run_eager(EagerReason.AUTOGRAD, batch_size, args, kwargs)
@@ -166,7 +165,7 @@ class GraphedCallable:
                 return self._run_eager(EagerReason.SHAPE_MISMATCH, batch_size, args, kwargs)
             if self.backend_name == "eager":
                 return self._run_eager(EagerReason.GRAPHS_DISABLED, batch_size, args, kwargs)
-            decision = self.dispatcher.lookup(MODE, batch_size, batch_size)
+            decision = self.outputs.lookup(MODE, batch_size, batch_size)
             reason = decision.reason
             if signature.tentative and decision.entry is not None and batch_size != decision.entry.key.num_tokens:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
@@ -174,8 +173,16 @@ class GraphedCallable:
                 return self._warm_up_or_record(decision.entry, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(reason, batch_size, args, kwargs)
-            signature.stage(leaves, batch_size)
-            return self.dispatcher.replay(decision.entry, batch_size, batch_size)
+            return self._replay(decision.entry, leaves, batch_size)
+
+    def _replay(self, entry: GraphEntry[StaticCall], leaves: List[Any], batch_size: int) -> Any:
+        """Stage the call's tensors into the static slots, replay, cut the real rows, count."""
+        self.signature.stage(leaves, batch_size)
+        entry.graph.replay()
+        outputs = self.outputs.cut(entry, batch_size, batch_size)
+        entry.hits += 1
+        self._stats.record_graph(batch_size, entry.key.num_tokens)
+        return outputs
 
     def _warm_up_or_record(
         self, entry: GraphEntry, batch_size: int, leaves: List[Any], args: tuple, kwargs: dict
@@ -188,27 +195,27 @@ class GraphedCallable:
             with self.registry.backend.warmup_context():
                 return self._run_eager(EagerReason.WARMUP, batch_size, args, kwargs)
         padded = entry.key.num_tokens
-        if batch_size != padded and not self.dispatcher.axes.seen_other_size(MODE, padded, padded):
+        if batch_size != padded and not self.outputs.axes.seen_other_size(MODE, padded, padded):
             # Recording now could not tell which output dims to cut: learn them from this real step.
             return self._run_eager(EagerReason.AXIS_PROBE, batch_size, args, kwargs)
         self.signature.stage(leaves, batch_size)
         with self.registry.backend.capture_session():
-            captured = self.registry.capture_entry(entry, self._make_callable(entry), warmup_iters=0)
+            captured = self.registry.capture_entry(entry, warmup_iters=0)
         if not captured:
             return self._run_eager(EagerReason.CAPTURE_FAILED, batch_size, args, kwargs)
-        decision = self.dispatcher.lookup(MODE, batch_size, batch_size)
+        decision = self.outputs.lookup(MODE, batch_size, batch_size)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, batch_size, args, kwargs)
-        return self.dispatcher.replay(entry, batch_size, batch_size)
+        return self._replay(entry, leaves, batch_size)
 
     def _run_eager(self, reason: EagerReason, batch_size: int, args: tuple, kwargs: dict) -> Any:
-        self.stats_counters.record_eager(reason.value, batch_size)
+        self._stats.record_eager(reason, batch_size)
         if reason is EagerReason.AUTOGRAD:
             return self.fn(*args, **kwargs)
         with torch.no_grad():
             outputs = self.fn(*args, **kwargs)
         if reason in _OBSERVED_EAGER:
-            self.dispatcher.observe_eager(MODE, batch_size, batch_size, outputs)
+            self.outputs.observe_eager(MODE, batch_size, batch_size, outputs)
         return outputs
 
     def _warn_grad_mode(self) -> None:
@@ -219,10 +226,10 @@ class GraphedCallable:
 
     def stats(self) -> Dict[str, Any]:
         """Same counters as GraphRunner.stats(), plus the argument layout wrap() inferred."""
-        result = self.stats_counters.as_dict()
+        result = self._stats.as_dict()
         result["backend"] = self.backend_name
         result.update(self.registry.summary())
-        result["uncut_outputs"] = dict(self.dispatcher.uncut_outputs)
+        result["uncut_outputs"] = dict(self.outputs.uncut_outputs)
         result["arg_layout"] = self.signature.layout() if self.signature is not None else {}
         result["signature_changes"] = self.signature_changes
         return result

@@ -1,4 +1,9 @@
-"""GraphKey, GraphEntry, GraphRegistry: capture every key, look keys up, disable failed ones."""
+"""GraphKey, GraphEntry, GraphRegistry: one entry per padded size, looked up in O(1), captured largest first.
+
+``GraphRegistry.lookup`` answers every step with a ``Decision``: the entry to replay, or the
+``EagerReason`` the step runs eagerly. A key whose capture fails, or whose replay raises, is
+taken out of use alone; the other keys go on.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Generic, List, NamedTuple, Optional, Tuple, TypeVar
+
+import torch
 
 try:
     from tqdm.auto import tqdm
@@ -16,6 +23,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 from graphrt.backends.base import CapturedGraph, GraphBackend
 from graphrt.backends.capture import capture_graph
 from graphrt.batch import ForwardMode
+from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths
 from graphrt.sizes import SizeGrid, build_pad_table
 
 logger = logging.getLogger(__name__)
@@ -43,21 +51,86 @@ class GraphStatus(enum.Enum):
     DISABLED = "disabled"
 
 
-@dataclass
-class GraphEntry:
-    """One key's graph and what the runner needs to replay it."""
+class EagerReason(str, enum.Enum):
+    """Why a step ran eagerly instead of replaying a graph (a fixed set, each counted)."""
+
+    GRAPHS_DISABLED = "graphs_disabled"  # backend="eager" or GRAPHRT_DISABLE=1
+    WARMUP = "warmup"  # wrap(): a size's first call is its warm-up, run eagerly as the real step
+    NOT_CAPTURED = "not_captured"  # capture() has not run (or was interrupted) for this key
+    MODE_NOT_CAPTURED = "mode_not_captured"
+    BATCH_TOO_LARGE = "batch_too_large"
+    SHAPE_MISMATCH = "shape_mismatch"  # wrap(): the call's arguments differ from the captured signature
+    CAPTURE_FAILED = "capture_failed"
+    DISABLED = "disabled"  # an earlier replay of this key raised
+    UNSUPPORTED_FIELD = "unsupported_field"  # logprobs or multimodal fields: graphs are captured without them
+    CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
+    REPLAY_FAILED = "replay_failed"  # the replay raised; the step re-ran eagerly
+    PEER_EAGER = "peer_eager"  # lockstep: another rank must run this step eagerly, so every rank does
+    AXIS_PROBE = "axis_probe"  # padded, and the outputs' batch axes are not known yet: this run's shapes show them
+    UNSLICEABLE_OUTPUT = "unsliceable_output"  # padded, and an output has no batch axis to cut the padding off
+    AUTOGRAD = "autograd"  # wrap(): grad mode on and an input requires grad; eager so gradients flow
+    AMBIGUOUS_BATCH_AXIS = "ambiguous_batch_axis"  # wrap(): padded, and an argument has the batch size in two dims
+
+
+StaticInputs = TypeVar("StaticInputs")
+
+
+@dataclass(eq=False)
+class GraphEntry(Generic[StaticInputs]):
+    """One key's graph: the padded inputs it reads, the step capture records, and its state."""
 
     key: GraphKey
-    inputs: Any = None
+    static_inputs: StaticInputs  # views of the static slots at the key's size (a ForwardBatch, or wrap()'s call)
+    step: Callable[[], Any]  # the model on static_inputs: what capture records
+    passthrough: FrozenSet[int] = frozenset()  # ids of argument objects the step may return as they are
     graph: Optional[CapturedGraph] = None
     status: GraphStatus = GraphStatus.PENDING
     reason: Optional[str] = None
     seconds: float = 0.0
     pool_bytes: Optional[int] = None
     hits: int = 0
-    result_cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
+    result_cache: Dict[Tuple[int, int], Any] = field(default_factory=dict, repr=False)  # real size -> cut outputs
     output_structure: Any = field(default=None, repr=False)  # how graph.outputs (leaves) rebuild the result
-    outputs_observed: bool = False  # its output shapes are in the dispatcher's batch-axis evidence
+    outputs_observed: bool = False  # its output shapes are in the batch-axis evidence
+
+
+class Decision(NamedTuple):
+    """Replay ``entry``, or run eagerly for ``reason`` (``entry`` then names the key that did not serve)."""
+
+    entry: Optional[GraphEntry]
+    reason: Optional[EagerReason]
+
+
+STATUS_REASONS = {
+    GraphStatus.PENDING: EagerReason.NOT_CAPTURED,
+    GraphStatus.FAILED: EagerReason.CAPTURE_FAILED,
+    GraphStatus.DISABLED: EagerReason.DISABLED,
+}
+TOO_LARGE = Decision(None, EagerReason.BATCH_TOO_LARGE)
+NO_MODE = Decision(None, EagerReason.MODE_NOT_CAPTURED)
+
+
+def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
+    """``entry.step`` made to return its output leaves, which the backend keeps as the graph's
+    outputs (so tensors inside dataclasses are refreshed too); the structure goes on the entry
+    to rebuild results. A leaf that is neither a tensor, a plain constant nor a passed-through
+    argument object fails the capture with a message naming it."""
+
+    def run() -> List[Any]:
+        leaves: List[Any] = []
+        structure = flatten(entry.step(), leaves)
+        for path, leaf in zip(leaf_paths(structure, "output"), leaves):
+            if not isinstance(leaf, torch.Tensor) and not is_plain_constant(leaf) and id(leaf) not in entry.passthrough:
+                kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+                raise TypeError(
+                    f"{path} is a {kind}, not a tensor pytree: a graph can return only tensors (in tuples, lists, "
+                    "dicts or dataclasses), plain constants, and objects passed in as arguments; return the "
+                    f"tensors you need from the {type(leaf).__name__} instead"
+                )
+        entry.output_structure = structure
+        return leaves
+
+    return run
 
 
 @dataclass
@@ -112,47 +185,43 @@ class GraphRegistry:
         self.grids: Dict[ForwardMode, Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
         self._by_rows: Dict[ForwardMode, List[Optional[GraphEntry]]] = {}
 
-    def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_inputs: Callable[[GraphKey], Any]) -> None:
-        """Register every key of ``grid`` for ``mode`` and precompute its padded-size tables."""
+    def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_entry: Callable[[GraphKey], GraphEntry]) -> None:
+        """Register every key of ``grid`` for ``mode`` (pending capture) and precompute its padded-size tables."""
         self.grids[mode] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
         for num_tokens, num_reqs in grid.pairs():
             key = GraphKey(mode, num_tokens, num_reqs)
-            self.add(key, make_inputs(key))
+            self.entries[key] = make_entry(key)
         if grid.diagonal:
             padded = build_pad_table(grid.token_sizes)
             self._by_rows[mode] = [self.entries[GraphKey(mode, size, size)] for size in padded]
 
-    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Tuple[Optional[GraphEntry], str]:
-        """The entry whose key pads (num_tokens, num_reqs) least, in O(1), or None and why not."""
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
+        """The entry whose key pads (num_tokens, num_reqs) least, in O(1), if it is ready; else why not."""
         by_rows = self._by_rows.get(mode)
         if by_rows is not None:  # diagonal grid: one list index
-            return (by_rows[num_tokens], "") if num_tokens < len(by_rows) else (None, "batch_too_large")
-        grid_tables = self.grids.get(mode)
-        if grid_tables is None:
-            return None, "mode_not_captured"
-        grid, token_table, req_table = grid_tables
-        if num_tokens >= len(token_table) or num_reqs >= len(req_table):
-            return None, "batch_too_large"
-        entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs]))
-        return (entry, "") if entry is not None else (None, "batch_too_large")
-
-    def add(self, key: GraphKey, inputs: Any = None) -> GraphEntry:
-        """Register ``key`` (pending capture) with the static inputs its graph will read."""
-        entry = self.entries[key] = GraphEntry(key, inputs)
-        return entry
-
-    def get(self, key: GraphKey) -> Optional[GraphEntry]:
-        return self.entries.get(key)
+            if num_tokens >= len(by_rows):
+                return TOO_LARGE
+            entry = by_rows[num_tokens]
+        else:
+            grid_tables = self.grids.get(mode)
+            if grid_tables is None:
+                return NO_MODE
+            _, token_table, req_table = grid_tables
+            if num_tokens >= len(token_table) or num_reqs >= len(req_table):
+                return TOO_LARGE
+            entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs]))
+            if entry is None:
+                return TOO_LARGE
+        if entry.status is GraphStatus.READY:
+            return Decision(entry, None)
+        return Decision(entry, STATUS_REASONS[entry.status])
 
     def capture_all(
-        self,
-        make_callable: Callable[[GraphEntry], Callable[[], Any]],
-        before_capture: Optional[Callable[[GraphEntry], None]] = None,
-        progress: bool = True,
+        self, before_capture: Optional[Callable[[GraphEntry], None]] = None, progress: bool = True
     ) -> CaptureReport:
-        """Capture every pending key, largest first; a key whose capture raises is marked
-        FAILED with the reason and the others go on. KeyboardInterrupt stops the loop,
-        keeps the keys already captured and propagates."""
+        """Capture every pending key, largest first; ``before_capture`` runs before each key's
+        warm-up. A key whose capture raises is marked FAILED with the reason and the others go on.
+        KeyboardInterrupt stops the loop, keeps the keys already captured and propagates."""
         report = CaptureReport()
         pending = sorted(
             (entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
@@ -163,32 +232,24 @@ class GraphRegistry:
             if progress and tqdm is not None:
                 pending = tqdm(pending, desc=f"capturing {self.backend.name} graphs")
             for entry in pending:
-                report.keys.append(self._capture_one(entry, make_callable, before_capture))
+                start = time.perf_counter()
+                try:
+                    if before_capture is not None:
+                        before_capture(entry)
+                except Exception as error:  # a failed capture disables only this key
+                    self._mark_failed(entry, error)
+                else:
+                    self.capture_entry(entry, self.warmup_iters)
+                entry.seconds = time.perf_counter() - start
+                report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
+                                             entry.pool_bytes, entry.reason))
         return report
 
-    def _capture_one(
-        self,
-        entry: GraphEntry,
-        make_callable: Callable[[GraphEntry], Callable[[], Any]],
-        before_capture: Optional[Callable[[GraphEntry], None]],
-    ) -> KeyReport:
-        start = time.perf_counter()
-        try:
-            if before_capture is not None:
-                before_capture(entry)
-            fn = make_callable(entry)
-        except Exception as error:  # a failed capture disables only this key
-            self._mark_failed(entry, error)
-        else:
-            self.capture_entry(entry, fn, self.warmup_iters)
-        entry.seconds = time.perf_counter() - start
-        return KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds, entry.pool_bytes, entry.reason)
-
-    def capture_entry(self, entry: GraphEntry, fn: Callable[[], Any], warmup_iters: int) -> bool:
+    def capture_entry(self, entry: GraphEntry, warmup_iters: int) -> bool:
         """Warm up and capture one key, every write to the model's tensors undone; a failure
         marks the key FAILED with the reason (its steps run eagerly). True when READY."""
         try:
-            entry.graph = capture_graph(self.backend, fn, warmup_iters)
+            entry.graph = capture_graph(self.backend, recorded_step(entry), warmup_iters)
         except Exception as error:  # a failed capture disables only this key
             self._mark_failed(entry, error)
             return False
@@ -221,7 +282,8 @@ class GraphRegistry:
             "failed_keys": {str(key): entry.reason for key, entry in self.entries.items() if entry.reason is not None},
         }
 
-    def ready_keys(self) -> Iterable[GraphKey]:
+    def ready_keys(self) -> List[GraphKey]:
+        """Keys whose graph replays."""
         return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
 
     def clear(self) -> None:

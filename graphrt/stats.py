@@ -6,9 +6,12 @@ import json
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Union
 
 from graphrt.batch import ForwardMode
+
+if TYPE_CHECKING:
+    from graphrt.registry import EagerReason
 
 
 @dataclass
@@ -28,10 +31,10 @@ class RuntimeStats:
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens - real_tokens
 
-    def record_eager(self, reason: str, real_tokens: int) -> None:
-        """Count one eager run and why it was not a replay."""
+    def record_eager(self, reason: "EagerReason", real_tokens: int) -> None:
+        """Count one eager run and why it was not a replay (counted under the reason's value)."""
         self.eager_runs += 1
-        self.eager_reasons[reason] += 1
+        self.eager_reasons[reason.value] += 1
         self.real_tokens += real_tokens
 
     def record_size(self, mode: int, batch_size: int) -> None:

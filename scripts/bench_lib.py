@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from graphrt import ForwardBatch, GraphRunner
-from graphrt.dispatch import CONTEXT_FIELDS
+from graphrt.batch import CONTEXT_FIELDS
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.reference import (
     CachePools,
@@ -229,7 +229,7 @@ def one_op_model(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch
 def graph_entry(runner: GraphRunner, batch: ForwardBatch) -> Any:
     """The registry entry the runner replays for ``batch`` (it must not run eagerly)."""
     decision = runner.dispatcher.decide(batch)
-    if not decision.use_graph:
+    if decision.reason is not None:
         raise RuntimeError(f"batch size {batch.batch_size} would run eagerly: {decision.reason.value}")
     return decision.entry
 
@@ -242,7 +242,7 @@ def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: 
     pointing at the graph's static metadata (the emulated replay reads it). ``one_op`` runs
     the same batch, without the cache context, through a runner of ``one_op_model``."""
     trivial = torch.zeros(1, device=work.device)
-    static_batch = graph_entry(runner, batch).inputs
+    static_batch = graph_entry(runner, batch).static_inputs
     hook = work.backend.init_forward_metadata_replay
     bare_batch = dataclasses.replace(batch, **{name: None for name in CONTEXT_FIELDS})
     probes = [("eager", lambda: run_eager(work.model, batch))]

@@ -225,7 +225,7 @@ def test_reference_state_is_bitwise_unchanged_by_capture_retune_and_resumed_capt
     assert not runner.capture().failed
     assert_same_state(before, state_snapshot(model, pools))
 
-    runner.stats_counters.merge_histogram({runner.modes[0]: {3: 10, 6: 5}})
+    runner._stats.merge_histogram({runner.config.modes[0]: {3: 10, 6: 5}})
     assert not runner.retune(max_graphs=2).failed
     assert_same_state(before, state_snapshot(model, pools))
 
@@ -233,11 +233,11 @@ def test_reference_state_is_bitwise_unchanged_by_capture_retune_and_resumed_capt
     original = resumed.registry.capture_entry
     calls = []
 
-    def interrupt_second_key(entry, fn, warmup_iters):
+    def interrupt_second_key(entry, warmup_iters):
         calls.append(entry.key)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return original(entry, fn, warmup_iters)
+        return original(entry, warmup_iters)
 
     monkeypatch.setattr(resumed.registry, "capture_entry", interrupt_second_key)
     with pytest.raises(KeyboardInterrupt):

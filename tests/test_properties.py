@@ -52,7 +52,7 @@ def test_random_valid_batches_equal_eager(captured, batch_size, seed, with_posit
     hit = runner.stats()["graph_runs"] > graph_runs
     assert hit == (with_positions and batch_size <= MAX_BS)
     if hit:
-        padded = pad_batch(batch, runner.registry.lookup(ForwardMode.DECODE, batch_size, batch_size)[0].key.num_reqs,
+        padded = pad_batch(batch, runner.registry.lookup(ForwardMode.DECODE, batch_size, batch_size).entry.key.num_reqs,
                            scratch=3)
         assert torch.equal(out, model(padded.input_ids, padded.positions, padded)[:batch_size])
 

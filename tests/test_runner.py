@@ -80,7 +80,7 @@ def test_static_tensors_keep_data_ptr_and_hold_one_max_batch():
         assert {name: slot.tensor.data_ptr() for name, slot in runner.buffers.slots.items()} == pointers
     for entry in runner.registry.entries.values():
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
-            view = getattr(entry.inputs, name)
+            view = getattr(entry.static_inputs, name)
             assert view.data_ptr() == pointers[name], f"{entry.key} {name} is not a view of the static slot"
     # input_ids, positions, out_cache_loc, req_pool_indices: int64; seq_lens and its host mirror: int32.
     assert runner.stats()["static_input_bytes"] == MAX_BS * (4 * 8 + 2 * 4)

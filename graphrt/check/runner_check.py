@@ -21,9 +21,8 @@ from graphrt.check.names import callable_roots
 from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
 from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
-from graphrt.dispatch import EagerReason
 from graphrt.parallel.lockstep import pad_forward_batch
-from graphrt.registry import GraphEntry, GraphKey
+from graphrt.registry import EagerReason, GraphEntry, GraphKey, recorded_step
 
 if TYPE_CHECKING:
     from graphrt.runner import GraphRunner
@@ -35,14 +34,14 @@ _KEY_KNOWN = (None, EagerReason.NOT_CAPTURED, EagerReason.CAPTURE_FAILED, EagerR
 def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
                  keys: Optional[Sequence[GraphKey]] = None) -> CheckReport:
     """The check of ``runner``'s model (see GraphRunner.check); the runner's lock must be held."""
-    before_capture, make_callable = runner._capture_steps()  # graph state first: it outlives the check
+    before_capture = runner._prepare_capture()  # graph state first: it outlives the check
     entries = _entries(runner, keys)
-    roots = ([("forward_batch", entries[0].inputs)] if entries else []) + callable_roots(runner.model) + [
+    roots = ([("forward_batch", entries[0].static_inputs)] if entries else []) + callable_roots(runner.model) + [
         ("batch_context", runner.context)]
     session = CheckSession(f"GraphRunner({type(runner.model).__name__})", roots, runner.device)
     with preserved_random_state(), preserved_state(session.graph):
         for position, entry in enumerate(entries):
-            step = Step(f"static batch of {entry.key}", make_callable(entry), _batch_inputs(entry.inputs),
+            step = Step(f"static batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs),
                         lambda entry=entry: before_capture(entry))
             if not _warm_up(session, step):
                 continue

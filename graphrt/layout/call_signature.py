@@ -19,12 +19,19 @@ evidence yields a refined signature (``refine``), and wrap() captures again with
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value, unflatten
 from graphrt.staging import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
+
+
+class StaticCall(NamedTuple):
+    """The arguments one graph reads: the call's structure with static-slot views for its tensors."""
+
+    args: tuple
+    kwargs: Dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -195,9 +202,8 @@ class CallSignature:
         else:
             self._plan.stage(live, rows, rows)
 
-    def static_arguments(self, key: Any) -> Tuple[tuple, dict]:
-        """The arguments a graph of ``key.num_tokens`` rows reads: views of the static slots."""
-        rows = key.num_tokens
+    def static_arguments(self, rows: int) -> StaticCall:
+        """The arguments a graph of ``rows`` rows reads: views of the static slots."""
         leaves = []
         for index, leaf in enumerate(self.leaves):
             if isinstance(leaf, Constant):
@@ -209,7 +215,7 @@ class CallSignature:
         iterator = iter(leaves)
         positional, keywords = self.structure
         args = tuple(unflatten(child, iterator) for child in positional)
-        return args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)}
+        return StaticCall(args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)})
 
     # ---- evidence ------------------------------------------------------------------------------
 

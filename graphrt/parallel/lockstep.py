@@ -17,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from graphrt.batch import ForwardBatch, ForwardMode
-from graphrt.dispatch import Decision, EagerReason, GraphDispatcher
-from graphrt.registry import GraphEntry, GraphKey, GraphStatus
+from graphrt.registry import Decision, EagerReason, GraphEntry, GraphKey, GraphStatus
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +108,11 @@ class StepAgreement:
     any_eager: bool  # some rank must run eagerly whatever the size
     unready: FrozenSet[GraphKey]  # keys not replayable on some rank
 
-    def decide(self, dispatcher: GraphDispatcher, local_reason: Optional[EagerReason]) -> Decision:
+    def decide(self, lookup: Callable[[ForwardMode, int, int], Decision], local_reason: Optional[EagerReason]) -> Decision:
         """Graph or eager at the agreed size: the same answer on every rank (reasons may differ)."""
         if self.any_eager:
             return Decision(None, local_reason or EagerReason.PEER_EAGER)
-        decision = dispatcher.lookup(self.mode, self.num_tokens, self.num_reqs)
+        decision = lookup(self.mode, self.num_tokens, self.num_reqs)
         if decision.reason is None and decision.entry.key in self.unready:
             return Decision(decision.entry, EagerReason.PEER_EAGER)
         return decision

@@ -1,0 +1,123 @@
+"""RunnerConfig: every GraphRunner option in one frozen dataclass, checked once at construction.
+
+``GraphRunner(model, **options)`` builds one from its keyword options; a bad option raises
+ValueError/TypeError naming it before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from graphrt.backends import resolve_backend_name
+from graphrt.batch import CONTEXT_FIELDS, ForwardMode
+from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
+from graphrt.stats import histogram_from
+from graphrt.ubatch import UBatchConfig
+
+DEFAULT_PAD_VALUES = {"input_ids": 0, "positions": 0, "seq_lens": 1, "out_cache_loc": 0, "req_pool_indices": 0}
+DEFAULT_EXTEND_TOKENS = (64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How a GraphRunner captures and replays ``model(input_ids, positions, forward_batch)``.
+
+    ``capture_sizes``: decode batch sizes to capture (default: 1, 2, 4, 8, then multiples of 8
+    up to ``max_batch_size``), or ``"auto"``: at most ``max_graphs`` (default: as many as the
+    default list) chosen from the traffic histogram (``histogram``: a ``{size: count}`` mapping or
+    a file from ``save_histogram``, merged into the runner's own; see docs/CAPTURE_SIZES.md).
+    ``extend_capture_sizes``: ``(token_sizes, request_sizes)`` for EXTEND/MIXED modes, captured
+    only when the attention backend lists the mode in ``graph_modes``.
+    ``batch_context``: the objects every batch shares (``attn_backend``, ``req_to_token_pool``,
+    ``token_to_kv_pool``); the graphs are bound to them.
+    ``pad_values``: the fill of padding rows per staged field (seq_lens >= 1).
+    ``process_group``: run every step in lockstep with the other ranks (docs/DISTRIBUTED.md).
+    ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
+    replay captured graphs (merged in order) instead of running eagerly.
+    ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
+    """
+
+    max_batch_size: int = 64
+    capture_sizes: Optional[Union[Sequence[int], str]] = None
+    modes: Iterable[ForwardMode] = (ForwardMode.DECODE,)
+    backend: str = "auto"
+    device: Optional[Union[str, torch.device]] = None
+    warmup_iters: int = 2
+    pad_values: Mapping[str, int] = field(default_factory=dict)
+    copy_outputs: bool = False
+    batch_context: Mapping[str, Any] = field(default_factory=dict)
+    extend_capture_sizes: Optional[Tuple[Sequence[int], Sequence[int]]] = None
+    debug: Optional[bool] = None
+    progress: bool = True
+    histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None
+    max_graphs: Optional[int] = None
+    process_group: Optional[Any] = None
+    ubatch: Optional[UBatchConfig] = None
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_batch_size", 1), ("warmup_iters", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+        resolve_backend_name(self.backend)
+        self._set("modes", tuple(ForwardMode(mode) for mode in self.modes))
+        self._set("capture_sizes", self._checked_capture_sizes())
+        self._set("extend_capture_sizes", self._checked_extend_sizes())
+        self._set("pad_values", MappingProxyType({**DEFAULT_PAD_VALUES, **self._checked_pad_values()}))
+        unknown = set(self.batch_context) - set(CONTEXT_FIELDS)
+        if unknown:
+            raise ValueError(f"batch_context: expected keys among {CONTEXT_FIELDS}, got {sorted(unknown)}")
+        self._set("batch_context", MappingProxyType(dict(self.batch_context)))
+        if self.histogram is not None:
+            self._set("histogram", histogram_from(self.histogram))
+        if self.ubatch is not None:
+            if not isinstance(self.ubatch, UBatchConfig):
+                raise TypeError(f"ubatch: expected a UBatchConfig, got {type(self.ubatch).__name__}")
+            if self.ubatch.threaded:
+                raise ValueError("ubatch.threaded: expected False: one runner's graphs share static buffers, "
+                                 "so its micro-batches must replay one after another")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _checked_capture_sizes(self) -> Union[Tuple[int, ...], str]:
+        sizes = self.capture_sizes
+        if isinstance(sizes, str) and sizes == "auto":
+            return sizes
+        if self.max_graphs is not None:
+            raise ValueError(f"max_graphs: only used with capture_sizes='auto', got capture_sizes={sizes!r}")
+        if sizes is None:
+            return tuple(default_capture_sizes(self.max_batch_size))
+        if isinstance(sizes, str):
+            raise ValueError(f"capture_sizes: expected None, 'auto' or a list of ints, got {sizes!r}")
+        return tuple(normalize_capture_sizes(sizes, self.max_batch_size))
+
+    def _checked_extend_sizes(self) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        if not any(mode.is_extend() for mode in self.modes):
+            return None
+        if self.extend_capture_sizes is None:
+            token_sizes, req_sizes = DEFAULT_EXTEND_TOKENS, default_capture_sizes(self.max_batch_size)
+        else:
+            token_sizes, req_sizes = self.extend_capture_sizes
+        return (tuple(normalize_capture_sizes(token_sizes, 1 << 20, "extend_capture_sizes[0]")),
+                tuple(normalize_capture_sizes(req_sizes, self.max_batch_size, "extend_capture_sizes[1]")))
+
+    def _checked_pad_values(self) -> Mapping[str, int]:
+        for name, value in self.pad_values.items():
+            if name not in DEFAULT_PAD_VALUES:
+                raise ValueError(f"pad_values: expected keys among {sorted(DEFAULT_PAD_VALUES)}, got {name!r}")
+            if type(value) is not int or (name == "seq_lens" and value < 1) or value < 0:
+                raise ValueError(f"pad_values[{name!r}]: expected a non-negative int (seq_lens >= 1), got {value!r}")
+        return self.pad_values
+
+    @property
+    def extend_grid(self) -> Optional[SizeGrid]:
+        """The (tokens, requests) keys of extend-style modes, or None when no such mode is asked for."""
+        if self.extend_capture_sizes is None:
+            return None
+        return SizeGrid.for_extend(*self.extend_capture_sizes)
