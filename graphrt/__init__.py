@@ -6,6 +6,7 @@ The names here are what a user imports; everything else is importable from its m
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.check import CheckReport, check
+from graphrt.config import RunnerConfig
 from graphrt.debug import StaleOutputError
 from graphrt.dispatch import EagerReason
 from graphrt.graphed_callable import GraphedCallable, wrap
@@ -25,6 +26,7 @@ __all__ = [
     "GraphedCallable",
     "GraphKey",
     "GraphRunner",
+    "RunnerConfig",
     "StaleOutputError",
     "UBatchConfig",
     "wrap",

@@ -108,7 +108,9 @@ class StepAgreement:
     any_eager: bool  # some rank must run eagerly whatever the size
     unready: FrozenSet[GraphKey]  # keys not replayable on some rank
 
-    def decide(self, lookup: Callable[[ForwardMode, int, int], Decision], local_reason: Optional[EagerReason]) -> Decision:
+    def decide(
+        self, lookup: Callable[[ForwardMode, int, int], Decision], local_reason: Optional[EagerReason]
+    ) -> Decision:
         """Graph or eager at the agreed size: the same answer on every rank (reasons may differ)."""
         if self.any_eager:
             return Decision(None, local_reason or EagerReason.PEER_EAGER)
