@@ -143,17 +143,16 @@ class Dispatcher:
 
     def __init__(
         self,
-        registry: GraphRegistry,
         buffers: InputBufferManager,
         context: Mapping[str, Any],
         outputs: OutputCutter,
         stats: RuntimeStats,
         graphs_enabled: bool = True,
     ) -> None:
-        self.registry = registry
-        self.buffers = buffers
-        self.context = context
-        self.outputs = outputs
+        self._attn_backend, self._req_to_token_pool, self._token_to_kv_pool = (
+            context.get(name) for name in CONTEXT_FIELDS
+        )
+        self.outputs = outputs  # its registry is the one this dispatcher looks keys up in
         self.stats = stats
         self.graphs_enabled = graphs_enabled
         slots = buffers.slots
@@ -163,7 +162,7 @@ class Dispatcher:
         self._extend_plan = StagingPlan([slots[name] for name in DECODE_STAGED + EXTEND_STAGED]) if has_extend else None
         self._extend_start_loc = slots["extend_start_loc"].tensor if has_extend else None
         self._seq_lens_cpu = slots.get("seq_lens_cpu")
-        self._replay_hook = getattr(context.get("attn_backend"), "init_forward_metadata_replay", None)
+        self._replay_hook = getattr(self._attn_backend, "init_forward_metadata_replay", None)
 
     def decide(self, batch: ForwardBatch) -> Decision:
         """Graph key for this (already validated) batch, or the reason it must run eagerly."""
@@ -175,12 +174,10 @@ class Dispatcher:
             or batch.mrope_position_deltas is not None
         ):
             return UNSUPPORTED
-        context = self.context
         if (
-            (batch.attn_backend is not None and batch.attn_backend is not context.get("attn_backend"))
-            or (batch.token_to_kv_pool is not None and batch.token_to_kv_pool is not context.get("token_to_kv_pool"))
-            or (batch.req_to_token_pool is not None
-                and batch.req_to_token_pool is not context.get("req_to_token_pool"))
+            (batch.attn_backend is not None and batch.attn_backend is not self._attn_backend)
+            or (batch.token_to_kv_pool is not None and batch.token_to_kv_pool is not self._token_to_kv_pool)
+            or (batch.req_to_token_pool is not None and batch.req_to_token_pool is not self._req_to_token_pool)
         ):
             return OTHER_CONTEXT
         return self.outputs.lookup(batch.forward_mode, batch.input_ids.shape[0], batch.batch_size)

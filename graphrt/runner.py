@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -53,8 +53,8 @@ class GraphRunner:
         self.device = resolve_device(requested, config.device)
         self.backend_name = "eager" if graphs_disabled_by_env() else requested
         self.debug = debug_enabled() if config.debug is None else config.debug
-        self.context: Dict[str, Any] = dict(config.batch_context)
-        self.pad_values: Dict[str, int] = dict(config.pad_values)
+        self.context: Mapping[str, Any] = config.batch_context  # read-only views of the checked options
+        self.pad_values: Mapping[str, int] = config.pad_values
         self._stats = RuntimeStats()
         if config.histogram is not None:
             self._stats.merge_histogram(config.histogram)
@@ -64,8 +64,8 @@ class GraphRunner:
         self.buffers = self._static_slots(any(mode.is_extend() for mode in graph_modes))
         self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters)
         self.dispatcher = Dispatcher(
-            self.registry, self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug),
-            self._stats, graphs_enabled=self.backend_name != "eager",
+            self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
+            graphs_enabled=self.backend_name != "eager",
         )
         for mode in graph_modes:
             grid = config.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
