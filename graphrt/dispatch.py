@@ -156,7 +156,7 @@ class Dispatcher:
         self.stats = stats
         self.graphs_enabled = graphs_enabled
         slots = buffers.slots
-        self.seq_lens_pad = int(slots["seq_lens"].pad_value)
+        self._seq_lens_pad = int(slots["seq_lens"].pad_value)
         self._decode_plan = StagingPlan([slots[name] for name in DECODE_STAGED])
         has_extend = all(name in slots for name in EXTEND_STAGED)
         self._extend_plan = StagingPlan([slots[name] for name in DECODE_STAGED + EXTEND_STAGED]) if has_extend else None
@@ -200,7 +200,7 @@ class Dispatcher:
                 setattr(static, name, None if mirror is None else list(mirror) + [0] * padding)
         else:
             self._decode_plan.stage(live, num_tokens, num_reqs)
-        static.seq_lens_sum = batch.seq_lens_sum + padding * self.seq_lens_pad
+        static.seq_lens_sum = batch.seq_lens_sum + padding * self._seq_lens_pad
         # 3. The attention backend refreshes its metadata from the static batch (host values included).
         if self._replay_hook is not None:
             static.seq_lens_cpu = None

@@ -1,4 +1,4 @@
-"""SamplingMetadata, sample(), InputBuffers, InputBatch and BatchBuilder (seed 000)."""
+"""SamplingMetadata, sample(), InputBuffers, InputBatch and BatchBuilder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""UnifiedBatchItem and build_forward_batch (seed 004): chunked prefill beside decodes."""
+"""UnifiedBatchItem and build_forward_batch: chunked prefill beside decodes."""
 
 from __future__ import annotations
 
