@@ -1,4 +1,4 @@
-"""Mixed prefill + decode batches (seed 004) through EXTEND/MIXED graphs equal eager, step by step."""
+"""Mixed prefill + decode batches through EXTEND/MIXED graphs equal eager, step by step."""
 
 from __future__ import annotations
 
