@@ -16,10 +16,11 @@ import torch
 from graphrt.backends import resolve_backend_name
 from graphrt.batch import CONTEXT_FIELDS, ForwardMode
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
+from graphrt.staging import DEFAULT_SLOTS
 from graphrt.stats import histogram_from
 from graphrt.ubatch import UBatchConfig
 
-DEFAULT_PAD_VALUES = {"input_ids": 0, "positions": 0, "seq_lens": 1, "out_cache_loc": 0, "req_pool_indices": 0}
+DEFAULT_PAD_VALUES = {name: pad for name, _, _, pad in DEFAULT_SLOTS}
 DEFAULT_EXTEND_TOKENS = (64, 128, 256, 512)
 
 

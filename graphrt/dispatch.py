@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Union
 
 import torch
 
-from graphrt.batch import CONTEXT_FIELDS, ForwardBatch, ForwardMode
+from graphrt.batch import CONTEXT_FIELDS, DECODE_SPECS, EXTEND_FIELDS, ForwardBatch, ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
 from graphrt.layout.batch_axes import CannotCut, CutPlan, OutputAxes
 from graphrt.layout.tensor_tree import flatten, unflatten
@@ -24,8 +24,8 @@ from graphrt.stats import RuntimeStats
 
 logger = logging.getLogger(__name__)
 
-DECODE_STAGED = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
-EXTEND_STAGED = ("extend_seq_lens", "extend_prefix_lens", "extend_start_loc")
+DECODE_STAGED = tuple(spec.name for spec in DECODE_SPECS)  # the order Dispatcher.replay passes them in
+EXTEND_STAGED = tuple(spec.name for spec in EXTEND_FIELDS)
 GRAPHS_OFF = Decision(None, EagerReason.GRAPHS_DISABLED)
 UNSUPPORTED = Decision(None, EagerReason.UNSUPPORTED_FIELD)
 OTHER_CONTEXT = Decision(None, EagerReason.CONTEXT_MISMATCH)

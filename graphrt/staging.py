@@ -109,6 +109,17 @@ class InputSlot:
         self.high_water = live_rows
 
 
+# The decode fields of a ForwardBatch: (name, dtype, rows, pad value). Padding rows write KV
+# slot 0 and read request 0 with a sequence length of 1, so they never touch a real request.
+DEFAULT_SLOTS = (
+    ("input_ids", torch.int64, RowAxis.TOKENS, 0),
+    ("positions", torch.int64, RowAxis.TOKENS, 0),
+    ("out_cache_loc", torch.int64, RowAxis.TOKENS, 0),
+    ("req_pool_indices", torch.int64, RowAxis.REQUESTS, 0),
+    ("seq_lens", torch.int32, RowAxis.REQUESTS, 1),
+)
+
+
 class InputBufferManager:
     """Owns the static input slots of one runner: registration, staging, views.
 
@@ -134,14 +145,8 @@ class InputBufferManager:
             self._init_default_slots()
 
     def _init_default_slots(self) -> None:
-        """The decode fields of a ForwardBatch: ids/positions/cache slots per token, the rest per request."""
-        for name, dtype, axis, pad in (
-            ("input_ids", torch.int64, RowAxis.TOKENS, 0),
-            ("positions", torch.int64, RowAxis.TOKENS, 0),
-            ("out_cache_loc", torch.int64, RowAxis.TOKENS, 0),
-            ("req_pool_indices", torch.int64, RowAxis.REQUESTS, 0),
-            ("seq_lens", torch.int32, RowAxis.REQUESTS, 1),
-        ):
+        """The decode fields of a ForwardBatch (``DEFAULT_SLOTS``)."""
+        for name, dtype, axis, pad in DEFAULT_SLOTS:
             rows = self.max_seq_len if axis is RowAxis.TOKENS else self.max_batch_size
             self.register_slot(name, BufferSpec((rows,), dtype, self.device), axis=axis, pad_value=pad)
 

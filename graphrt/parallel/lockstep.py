@@ -23,14 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.batch import REQUEST_FIELDS, TOKEN_FIELDS, ForwardBatch, ForwardMode
 from graphrt.registry import Decision, EagerReason, GraphEntry, GraphKey, GraphStatus
 
 logger = logging.getLogger(__name__)
 
 HEADER = 5  # tokens, requests, must_eager, mode, -mode
 NO_MODE = -(1 << 30)
-PAD_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+TOKEN_PADDED = tuple(spec.name for spec in TOKEN_FIELDS)
+REQUEST_PADDED = tuple(spec.name for spec in REQUEST_FIELDS)
 # Local reasons that hold whatever the agreed size: one such rank makes every rank run eagerly.
 SIZE_INDEPENDENT = frozenset({
     EagerReason.GRAPHS_DISABLED, EagerReason.UNSUPPORTED_FIELD,
@@ -43,7 +44,7 @@ def pad_forward_batch(
 ) -> ForwardBatch:
     """``batch`` padded eagerly to ``num_tokens``/``num_reqs`` rows the way graph staging pads.
 
-    ``pad_values`` gives the fill of each of ``PAD_FIELDS``; ``seq_lens_sum`` and ``seq_lens_cpu``
+    ``pad_values`` gives the fill of each of ``TOKEN_PADDED`` and ``REQUEST_PADDED``; ``seq_lens_sum`` and ``seq_lens_cpu``
     include the padding requests; extend padding requests have no tokens and start where the real
     tokens end, so start offsets never decrease. Other fields are kept as they are.
     """
@@ -52,7 +53,7 @@ def pad_forward_batch(
         raise ValueError(f"num_tokens: expected an int >= the batch's {real_tokens} tokens, got {num_tokens!r}")
     if type(num_reqs) is not int or num_reqs < real_reqs:
         raise ValueError(f"num_reqs: expected an int >= the batch's {real_reqs} requests, got {num_reqs!r}")
-    missing = [name for name in PAD_FIELDS if name not in pad_values]
+    missing = [name for name in TOKEN_PADDED + REQUEST_PADDED if name not in pad_values]
     if missing:
         raise ValueError(f"pad_values: missing {missing}")
 
@@ -63,8 +64,8 @@ def pad_forward_batch(
         return torch.cat([tensor, filler])
 
     extra_reqs = num_reqs - real_reqs
-    fields = {name: pad(getattr(batch, name), num_tokens, pad_values[name]) for name in PAD_FIELDS[:3]}
-    fields.update({name: pad(getattr(batch, name), num_reqs, pad_values[name]) for name in PAD_FIELDS[3:]})
+    fields = {name: pad(getattr(batch, name), num_tokens, pad_values[name]) for name in TOKEN_PADDED}
+    fields.update({name: pad(getattr(batch, name), num_reqs, pad_values[name]) for name in REQUEST_PADDED})
     fields["seq_lens_cpu"] = pad(batch.seq_lens_cpu, num_reqs, pad_values["seq_lens"])
     fields["seq_lens_sum"] = batch.seq_lens_sum + extra_reqs * pad_values["seq_lens"]
     if batch.forward_mode.is_extend():
