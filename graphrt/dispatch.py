@@ -9,6 +9,7 @@ shapes (graphrt.layout.batch_axes); a padded step whose outputs cannot be cut ru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Dict, List, Mapping, Union
 
@@ -214,6 +215,12 @@ class Dispatcher:
         entry.hits += 1
         self.stats.record_graph(num_tokens, key.num_tokens)
         return outputs
+
+
+def with_context(batch: ForwardBatch, context: Mapping[str, Any]) -> ForwardBatch:
+    """``batch`` with the runner's context objects (attention backend, pools) where it has none."""
+    missing = {name: value for name, value in context.items() if getattr(batch, name) is None}
+    return dataclasses.replace(batch, **missing) if missing else batch
 
 
 def static_batch_for(

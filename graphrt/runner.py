@@ -22,7 +22,7 @@ from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
 from graphrt.check.report import CheckReport
 from graphrt.check.runner_check import check_runner
 from graphrt.config import RunnerConfig
-from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for
+from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
@@ -300,9 +300,7 @@ class GraphRunner:
 
     def _forward_eager(self, batch: ForwardBatch) -> Any:
         """The model on ``batch`` as given, with the runner's context objects filled in."""
-        missing = {name: self.context[name] for name in self.context if getattr(batch, name) is None}
-        if missing:
-            batch = dataclasses.replace(batch, **missing)
+        batch = with_context(batch, self.context)
         init_metadata = getattr(batch.attn_backend, "init_forward_metadata", None)
         if init_metadata is not None:
             init_metadata(batch)

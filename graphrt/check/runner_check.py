@@ -21,6 +21,7 @@ from graphrt.check.names import callable_roots
 from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
 from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
+from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.registry import EagerReason, GraphEntry, GraphKey, recorded_step
 
@@ -93,7 +94,7 @@ def _check_example(session: CheckSession, runner: "GraphRunner", index: int, exa
         session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
         return
     key = decision.entry.key
-    example = _with_context(runner, example)
+    example = with_context(example, runner.context)
     padded = pad_forward_batch(example, key.num_tokens, key.num_reqs, runner.pad_values)
     recording = session.record(_eager_step(runner, f"example {index} padded to {key}", padded))
     if not session.analyze(recording, with_state=False):
@@ -103,12 +104,6 @@ def _check_example(session: CheckSession, runner: "GraphRunner", index: int, exa
     real = session.record(_eager_step(runner, f"example {index}", example))
     rows = {key.num_tokens: example.num_tokens, key.num_reqs: example.batch_size}
     session.compare_padding(real, recording, rows)
-
-
-def _with_context(runner: "GraphRunner", batch: ForwardBatch) -> ForwardBatch:
-    """The batch with the runner's context objects (attention backend, pools) filled in."""
-    missing = {name: value for name, value in runner.context.items() if getattr(batch, name) is None}
-    return dataclasses.replace(batch, **missing) if missing else batch
 
 
 def _eager_step(runner: "GraphRunner", label: str, batch: ForwardBatch) -> Step:
