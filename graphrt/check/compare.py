@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from graphrt.backends.op_graph import RecordedOp
+from graphrt.backends.state_journal import op_base_name
 from graphrt.check.dataflow import op_name
 from graphrt.check.names import ObjectGraph
 from graphrt.check.recording import Recording, source_text, tensor_leaves
@@ -146,7 +147,7 @@ def _first_leaking_op(real: Sequence[RecordedOp], padded: Sequence[RecordedOp], 
     for want_op, got_op in zip(real, padded):
         if want_op.func is not got_op.func:
             return None  # the ops differ from here on: no row-by-row comparison
-        if want_op.func._schema.name.split("::")[-1] in _UNINITIALIZED:
+        if op_base_name(want_op.func) in _UNINITIALIZED:
             continue
         for want, got in zip(tensor_leaves(want_op.output), tensor_leaves(got_op.output)):
             part = got if want.shape == got.shape else _real_part(want, got, rows)

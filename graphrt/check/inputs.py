@@ -19,8 +19,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphrt.check.report import ArgumentInfo, Finding
-from graphrt.layout.call_signature import CallSignature, Constant, TensorEvidence, flatten_call
-from graphrt.layout.tensor_tree import leaf_paths, unflatten
+from graphrt.layout.call_signature import (
+    CallSignature,
+    Constant,
+    TensorEvidence,
+    call_paths,
+    flatten_call,
+    unflatten_call,
+)
+from graphrt.layout.tensor_tree import is_plain_constant
 from graphrt.sizes import default_capture_sizes
 
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
@@ -44,12 +51,7 @@ class CallTree:
         self.names = list(positional_names)
         self.kw_names = tuple(kwargs)
         self.leaves, self.structure = flatten_call(args, kwargs, self.kw_names)
-        positional, keywords = self.structure
-        self.paths: List[str] = []
-        for name, child in zip(positional_names, positional):
-            self.paths += leaf_paths(child, name)
-        for name, child in zip(self.kw_names, keywords):
-            self.paths += leaf_paths(child, name)
+        self.paths = call_paths(self.structure, self.kw_names, self.names)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor leaf by path: what the step is handed (and what wrap() stages)."""
@@ -57,10 +59,7 @@ class CallTree:
 
     def rebuild(self, leaves: Sequence[Any]) -> Arguments:
         """Arguments of the same structure with other leaves."""
-        iterator = iter(leaves)
-        positional, keywords = self.structure
-        args = tuple(unflatten(child, iterator) for child in positional)
-        return args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)}
+        return unflatten_call(self.structure, self.kw_names, leaves)
 
     def rolled(self) -> Arguments:
         """A variant: every tensor leaf's values rolled by one element (``roll``)."""
@@ -115,7 +114,7 @@ def wrap_signature(tree: CallTree, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 
 def _argument_info(path: str, leaf: Any, value: Any) -> ArgumentInfo:
     if isinstance(leaf, Constant):
-        rule = "another value" if not _is_object(value) else "another object (compared by identity)"
+        rule = "another value" if is_plain_constant(value) else "another object (compared by identity)"
         return ArgumentInfo(path, "constant", _summary(value), f"{rule} (shape_mismatch)")
     shape = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')} {value.device.type}"
     if leaf.axis is None:
@@ -128,10 +127,6 @@ def _argument_info(path: str, leaf: Any, value: Any) -> ArgumentInfo:
     return ArgumentInfo(path, f"batch dim {leaf.axis}", shape,
                         "more rows than max_batch_size (batch_too_large); other sizes in the other dims, another "
                         "dtype or device (shape_mismatch)")
-
-
-def _is_object(value: Any) -> bool:
-    return not isinstance(value, (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device))
 
 
 def _summary(value: Any) -> str:

@@ -104,7 +104,7 @@ class CallSignature:
         self.leaves = tuple(leaves)  # TensorEvidence or Constant per leaf
         self.batch_leaf = batch_leaf
         self.max_batch_size = max_batch_size
-        self.paths = _paths(structure, kw_names)
+        self.paths = call_paths(structure, kw_names)
         self.tentative = any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in self.leaves)
         self.objects = [(path, leaf.value) for path, leaf in zip(self.paths, self.leaves)
                         if isinstance(leaf, Constant) and not is_plain_constant(leaf.value)]
@@ -212,10 +212,7 @@ class CallSignature:
             view = self._slots[index].view(rows)
             axis = leaf.axis
             leaves.append(view.movedim(0, axis) if axis else view)
-        iterator = iter(leaves)
-        positional, keywords = self.structure
-        args = tuple(unflatten(child, iterator) for child in positional)
-        return StaticCall(args, {name: unflatten(child, iterator) for name, child in zip(self.kw_names, keywords)})
+        return StaticCall(*unflatten_call(self.structure, self.kw_names, leaves))
 
     # ---- evidence ------------------------------------------------------------------------------
 
@@ -287,14 +284,25 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[
     return leaves, (positional, keywords)
 
 
-def _paths(structure: Any, kw_names: Tuple[str, ...]) -> Tuple[str, ...]:
+def unflatten_call(structure: Any, kw_names: Tuple[str, ...], leaves: Sequence[Any]) -> Tuple[tuple, Dict[str, Any]]:
+    """The ``(args, kwargs)`` that ``flatten_call`` took apart, with ``leaves`` in place of its leaves."""
+    iterator = iter(leaves)
+    positional, keywords = structure
+    args = tuple(unflatten(child, iterator) for child in positional)
+    return args, {name: unflatten(child, iterator) for name, child in zip(kw_names, keywords)}
+
+
+def call_paths(structure: Any, kw_names: Tuple[str, ...],
+               positional_names: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
+    """A readable path per leaf of a call: ``args[0].h`` (or the parameter's name), ``mask['a']``."""
     positional, keywords = structure
     paths = []
     for index, child in enumerate(positional):
-        paths.extend(leaf_paths(child, f"args[{index}]"))
+        named = positional_names is not None and index < len(positional_names)
+        paths.extend(leaf_paths(child, positional_names[index] if named else f"args[{index}]"))
     for name, child in zip(kw_names, keywords):
         paths.extend(leaf_paths(child, name))
     return tuple(paths)
 
 
-__all__ = ["CallSignature", "Constant", "TensorEvidence", "flatten_call"]
+__all__ = ["CallSignature", "Constant", "StaticCall", "TensorEvidence", "call_paths", "flatten_call", "unflatten_call"]
