@@ -24,6 +24,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from graphrt.backends.state_journal import storage_key
+from graphrt.layout.rebind_guard import entries_changed, restore_entries
 
 MAX_DEPTH = 8
 MAX_ITEMS = 4096  # containers larger than this are not entered (token lists, vocabularies)
@@ -113,20 +114,7 @@ class Snapshot:
     def restore(self) -> None:
         """Put back every entry a step rebound, added or removed (tensor contents are the journal's job)."""
         for container, copy in self.saved:
-            if _changed(container, copy):
-                if isinstance(container, dict):
-                    container.clear()
-                    container.update(copy)
-                else:
-                    container[:] = copy
-
-
-def _changed(container: Container, copy: Any) -> bool:
-    if len(container) != len(copy):
-        return True
-    if isinstance(container, dict):
-        return any(key not in container or container[key] is not value for key, value in copy.items())
-    return any(now is not before for now, before in zip(container, copy))
+            restore_entries(container, copy)
 
 
 @dataclass(frozen=True)
@@ -205,7 +193,7 @@ class ObjectGraph:
         """Entries whose object changed since ``before`` (new entries and removals included)."""
         found = []
         for (container, name, attributes), (_, copy) in zip(self._containers, before.saved):
-            if not _changed(container, copy):
+            if not entries_changed(container, copy):
                 continue
             keys = container.keys() | copy.keys() if isinstance(container, dict) else range(max(len(container), len(copy)))
             for key in keys:

@@ -74,21 +74,34 @@ class RebindGuard:
     def _changed(self) -> Optional[Tuple[str, Any]]:
         """The first attribute (path, new value) whose object identity changed, if any."""
         for path, container, saved, child_path in self._saved:
-            if isinstance(container, list):
-                if len(container) != len(saved) or any(now is not then for now, then in zip(container, saved)):
-                    return path, container
+            if not entries_changed(container, saved):
                 continue
-            if container.keys() != saved.keys():
+            if isinstance(container, list) or container.keys() != saved.keys():
                 return path, container
-            for name, value in container.items():
-                if value is not saved[name]:
-                    return child_path.format(path, name), value
+            name = next(name for name, value in container.items() if value is not saved[name])
+            return child_path.format(path, name), container[name]
         return None
 
     def _restore(self) -> None:
         for _, container, saved, _ in reversed(self._saved):
-            if isinstance(container, list):
-                container[:] = saved
-            else:
-                container.clear()
-                container.update(saved)
+            restore_entries(container, saved)
+
+
+def entries_changed(container: Any, saved: Any) -> bool:
+    """Whether a dict or list holds other objects (by identity), or other keys, than its shallow copy ``saved``."""
+    if len(container) != len(saved):
+        return True
+    if isinstance(container, dict):
+        return any(key not in container or container[key] is not value for key, value in saved.items())
+    return any(now is not then for now, then in zip(container, saved))
+
+
+def restore_entries(container: Any, saved: Any) -> None:
+    """Put a dict's or list's entries back as in its shallow copy ``saved`` (untouched when unchanged)."""
+    if not entries_changed(container, saved):
+        return
+    if isinstance(container, dict):
+        container.clear()
+        container.update(saved)
+    else:
+        container[:] = saved
