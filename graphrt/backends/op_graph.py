@@ -31,7 +31,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MODEL_DIRS = (os.path.join(_GRAPHRT_DIR, "reference") + os.sep,)  # graphrt code that is "the model"
 _HOST_READ_METHODS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
-_PLAIN_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+# Values FX code can hold as literals; any other non-tensor argument becomes a module attribute.
+_FX_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _aten = torch.ops.aten
 
 
@@ -194,7 +195,7 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
             return node
         if isinstance(value, (list, tuple)):
             return type(value)(to_node_arg(item) for item in value)
-        if isinstance(value, _PLAIN_CONSTANTS):
+        if isinstance(value, _FX_LITERALS):
             return value
         name = f"constant_{constants}"  # e.g. a torch.Generator: kept as an attribute, not as code
         constants += 1

@@ -105,7 +105,7 @@ class CallSignature:
         self.batch_leaf = batch_leaf
         self.max_batch_size = max_batch_size
         self.paths = call_paths(structure, kw_names)
-        self.tentative = any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in self.leaves)
+        self.tentative = _any_tentative(self.leaves)
         self.objects = [(path, leaf.value) for path, leaf in zip(self.paths, self.leaves)
                         if isinstance(leaf, Constant) and not is_plain_constant(leaf.value)]
         self._tensors = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, TensorEvidence)]
@@ -229,7 +229,7 @@ class CallSignature:
         refined = self._evidence_with(leaves, structure)
         if refined is not None:
             self.leaves = tuple(refined)
-            self.tentative = any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in self.leaves)
+            self.tentative = _any_tentative(self.leaves)
 
     def _evidence_with(self, leaves: List[Any], structure: Any) -> Optional[List[Any]]:
         if structure != self.structure or not leaves[self.batch_leaf].dim():
@@ -282,6 +282,11 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[
     positional = tuple([flatten(value, leaves) for value in args])
     keywords = tuple([flatten(kwargs[name], leaves) for name in kw_names])
     return leaves, (positional, keywords)
+
+
+def _any_tentative(leaves: Sequence[Any]) -> bool:
+    """Whether some tensor leaf has several candidate batch dims (read on every call: kept as a flag)."""
+    return any(isinstance(leaf, TensorEvidence) and leaf.tentative for leaf in leaves)
 
 
 def unflatten_call(structure: Any, kw_names: Tuple[str, ...], leaves: Sequence[Any]) -> Tuple[tuple, Dict[str, Any]]:
