@@ -60,14 +60,14 @@ class GraphRunner:
             self._stats.merge_histogram(config.histogram)
         self.lockstep = Lockstep(config.process_group, self.device) if config.process_group is not None else None
         self.capture_sizes = self._agreed(self._initial_sizes())
-        graph_modes = self._graph_modes()
-        self.buffers = self._static_slots(any(mode.is_extend() for mode in graph_modes))
+        self._graph_modes = self._modes_with_graphs()
+        self.buffers = self._static_slots(any(mode.is_extend() for mode in self._graph_modes))
         self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters)
         self.dispatcher = Dispatcher(
             self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
             graphs_enabled=self.backend_name != "eager",
         )
-        for mode in graph_modes:
+        for mode in self._graph_modes:
             grid = config.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
             self.registry.add_grid(mode, grid, self._make_entry)
         self._ubatch = self._make_ubatch()
@@ -100,7 +100,7 @@ class GraphRunner:
         shape = config.max_batch_size, [mode.name for mode in config.modes], config.extend_grid
         return self.lockstep.agree_sizes(sizes, shape)
 
-    def _graph_modes(self) -> tuple:
+    def _modes_with_graphs(self) -> tuple:
         """Modes that get graphs: decode-style always; extend-style only if the backend says so."""
         backend_modes = getattr(self.context.get("attn_backend"), "graph_modes", None)
         modes = []
@@ -188,7 +188,7 @@ class GraphRunner:
         reused; static inputs stay (same data_ptrs). With a process group every rank must call it
         (rank 0's sizes win). Extend keys are kept.
         """
-        modes = [mode for mode in self._graph_modes() if not mode.is_extend()]
+        modes = [mode for mode in self._graph_modes if not mode.is_extend()]
         if not modes:
             names = [mode.name for mode in self.config.modes]
             raise ValueError(f"retune: modes has no decode-style mode to retune, got {names}")
