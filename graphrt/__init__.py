@@ -8,6 +8,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.check import CheckReport, check
 from graphrt.config import RunnerConfig
 from graphrt.debug import StaleOutputError
+from graphrt.forward_context import current_batch
 from graphrt.dispatch import EagerReason
 from graphrt.graphed_callable import GraphedCallable, wrap
 from graphrt.registry import CaptureReport, GraphKey
@@ -20,6 +21,7 @@ __all__ = [
     "CaptureReport",
     "check",
     "CheckReport",
+    "current_batch",
     "EagerReason",
     "ForwardBatch",
     "ForwardMode",

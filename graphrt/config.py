@@ -15,7 +15,8 @@ import torch
 
 from graphrt.backends import resolve_backend_name
 from graphrt.batch import CONTEXT_FIELDS, ForwardMode
-from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
+from graphrt.piecewise.ops import SplittingOpSpec, resolve_splitting_ops
+from graphrt.sizes import SizeGrid, default_capture_sizes, default_piecewise_sizes, normalize_capture_sizes
 from graphrt.staging import DEFAULT_SLOTS
 from graphrt.stats import histogram_from
 from graphrt.ubatch import UBatchConfig
@@ -41,6 +42,11 @@ class RunnerConfig:
     ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
     replay captured graphs (merged in order) instead of running eagerly.
     ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
+    ``splitting_ops``: ops run eagerly between graph pieces (``OpOverload``, ``OpOverloadPacket``
+    or ``"namespace::name"``; typically a ``torch.library`` custom op wrapping varlen attention).
+    With them, steps no full graph serves replay piecewise graphs keyed by padded token count
+    (``piecewise_sizes``; default: powers of two from 1 up to the larger of ``max_batch_size`` and
+    the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.
     """
 
     max_batch_size: int = 64
@@ -59,6 +65,8 @@ class RunnerConfig:
     max_graphs: Optional[int] = None
     process_group: Optional[Any] = None
     ubatch: Optional[UBatchConfig] = None
+    splitting_ops: Sequence[SplittingOpSpec] = ()
+    piecewise_sizes: Optional[Sequence[int]] = None
 
     def __post_init__(self) -> None:
         for name, least in (("max_batch_size", 1), ("warmup_iters", 0)):
@@ -76,6 +84,8 @@ class RunnerConfig:
         self._set("batch_context", MappingProxyType(dict(self.batch_context)))
         if self.histogram is not None:
             self._set("histogram", histogram_from(self.histogram))
+        self._set("splitting_ops", resolve_splitting_ops(self.splitting_ops))
+        self._set("piecewise_sizes", self._checked_piecewise_sizes())
         if self.ubatch is not None:
             if not isinstance(self.ubatch, UBatchConfig):
                 raise TypeError(f"ubatch: expected a UBatchConfig, got {type(self.ubatch).__name__}")
@@ -107,6 +117,18 @@ class RunnerConfig:
             token_sizes, req_sizes = self.extend_capture_sizes
         return (tuple(normalize_capture_sizes(token_sizes, 1 << 20, "extend_capture_sizes[0]")),
                 tuple(normalize_capture_sizes(req_sizes, self.max_batch_size, "extend_capture_sizes[1]")))
+
+    def _checked_piecewise_sizes(self) -> Tuple[int, ...]:
+        """The padded token counts of piecewise keys: none without splitting ops."""
+        if not self.splitting_ops:
+            if self.piecewise_sizes:
+                raise ValueError("piecewise_sizes: expected None without splitting_ops (nothing splits the step), "
+                                 f"got {self.piecewise_sizes!r}")
+            return ()
+        if self.piecewise_sizes is not None:
+            return tuple(normalize_capture_sizes(self.piecewise_sizes, 1 << 20, "piecewise_sizes"))
+        token_sizes = self.extend_capture_sizes[0] if self.extend_capture_sizes else DEFAULT_EXTEND_TOKENS
+        return tuple(default_piecewise_sizes(max(self.max_batch_size, max(token_sizes))))
 
     def _checked_pad_values(self) -> Mapping[str, int]:
         for name, value in self.pad_values.items():

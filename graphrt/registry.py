@@ -142,6 +142,7 @@ class KeyReport:
     seconds: float
     pool_bytes: Optional[int]
     reason: Optional[str] = None
+    pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
 
 
 @dataclass
@@ -167,11 +168,13 @@ class CaptureReport:
         return sum(report.pool_bytes or 0 for report in self.keys)
 
     def __str__(self) -> str:
-        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'pool MiB':>9}  reason"]
+        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'pool MiB':>9} {'pieces':>6}  reason"]
         for report in self.keys:
             pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
             status = "ok" if report.ok else "failed"
-            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {pool:>9}  {report.reason or ''}")
+            pieces = "-" if report.pieces is None else str(report.pieces)
+            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {pool:>9} {pieces:>6}  "
+                         f"{report.reason or ''}")
         return "\n".join(lines)
 
 

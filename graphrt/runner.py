@@ -23,6 +23,8 @@ from graphrt.check.report import CheckReport
 from graphrt.check.runner_check import check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
+from graphrt.forward_context import use_batch
+from graphrt.piecewise.runtime import PiecewiseGraphs
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
@@ -61,8 +63,10 @@ class GraphRunner:
         self.lockstep = Lockstep(config.process_group, self.device) if config.process_group is not None else None
         self.capture_sizes = self._agreed(self._initial_sizes())
         self._graph_modes = self._modes_with_graphs()
-        self.buffers = self._static_slots(any(mode.is_extend() for mode in self._graph_modes))
+        self.buffers = self._static_slots(
+            any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
         self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters)
+        self._capture_batches: Dict[GraphKey, ForwardBatch] = {}  # what current_batch() is in a full graph
         self.dispatcher = Dispatcher(
             self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
             graphs_enabled=self.backend_name != "eager",
@@ -71,6 +75,7 @@ class GraphRunner:
             grid = config.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
             self.registry.add_grid(mode, grid, self._make_entry)
         self._ubatch = self._make_ubatch()
+        self.piecewise = self._make_piecewise()
         if self.lockstep is not None:
             self.lockstep.bind_keys(list(self.registry.entries))
         self._lock = threading.Lock()
@@ -115,7 +120,7 @@ class GraphRunner:
         """Every static input slot, allocated once: the decode fields with their pad values, a
         host mirror of seq_lens for the attention replay hook, and the extend fields if needed."""
         max_batch_size, extend_grid = self.config.max_batch_size, self.config.extend_grid
-        max_tokens = max(max_batch_size, extend_grid.max_tokens if extend_grid else 0)
+        max_tokens = max(max_batch_size, extend_grid.max_tokens if extend_grid else 0, *self.config.piecewise_sizes)
         buffers = InputBufferManager(max_batch_size=max_batch_size, max_seq_len=max_tokens, device=self.device)
         for name, value in self.pad_values.items():
             buffers.set_pad_value(name, value)
@@ -130,11 +135,25 @@ class GraphRunner:
     def _make_entry(self, key: GraphKey) -> GraphEntry[ForwardBatch]:
         """A key's entry: the padded batch of static-slot views its graph reads, and the step on it."""
         static = static_batch_for(key, self.buffers, self.context, self.pad_values["seq_lens"])
+        # Inside a full graph, current_batch() is the batch as captured: its Python values frozen,
+        # as a CUDA graph freezes whatever host values the step read.
+        frozen = self._capture_batches[key] = dataclasses.replace(static)
 
         def step() -> Any:
-            return self.model(static.input_ids, static.positions, static)
+            with use_batch(frozen):
+                return self.model(static.input_ids, static.positions, static)
 
         return GraphEntry(key, static, step)
+
+    def _make_piecewise(self) -> Optional[PiecewiseGraphs]:
+        """Piecewise keys when splitting ops are set (single rank: lockstep steps never take them)."""
+        config = self.config
+        if not config.splitting_ops or self.backend_name == "eager" or self.lockstep is not None:
+            return None
+        return PiecewiseGraphs(
+            self.model, self.registry.backend, config.splitting_ops, config.piecewise_sizes, self.buffers,
+            self.context, self._stats, config.warmup_iters, config.copy_outputs, self.debug,
+        )
 
     def _make_ubatch(self) -> Optional[UBatchWrapper]:
         """Split decode batches above the largest capture size into graph-hitting micro-batches."""
@@ -152,6 +171,8 @@ class GraphRunner:
             return CaptureReport()
         with self._lock:
             report = self.registry.capture_all(self._prepare_capture(), progress=self.config.progress)
+            if self.piecewise is not None:
+                report.keys.extend(self.piecewise.capture(progress=self.config.progress).keys)
         logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
         return report
 
@@ -273,17 +294,30 @@ class GraphRunner:
         """
         if agreed is None:
             decision = self.dispatcher.decide(batch)
+            if decision.reason is not None and self.piecewise is not None:
+                decision = self.piecewise.decide(batch, decision)
+                if decision.reason is None:
+                    return self._replay_piecewise(decision.entry, batch)
         else:
             decision = agreed.decide(self.dispatcher.outputs.lookup, local_reason)
         if decision.reason is None:
             try:
-                return self.dispatcher.replay(decision.entry, batch)
+                with use_batch(self._capture_batches[decision.entry.key]):
+                    return self.dispatcher.replay(decision.entry, batch)
             except Exception as error:  # a replay that raises: take the key out of use
                 self.registry.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
                 if agreed is not None:
                     raise
                 decision = Decision(None, EagerReason.REPLAY_FAILED)
         return self._run_eager(batch, decision.reason, agreed)
+
+    def _replay_piecewise(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch) -> Any:
+        """Replay a piecewise key; one that raises is taken out of use and the step runs eagerly."""
+        try:
+            return self.piecewise.replay(entry, batch)
+        except Exception as error:
+            self.piecewise.registry.disable(entry.key, f"replay raised {type(error).__name__}: {error}")
+            return self._run_eager(batch, EagerReason.REPLAY_FAILED, None)
 
     def _run_eager(self, batch: ForwardBatch, reason: EagerReason, agreed: Optional[StepAgreement]) -> Any:
         """The model on ``batch`` eagerly; in lockstep padded to the agreed size, then cut to the real rows."""
@@ -304,7 +338,7 @@ class GraphRunner:
         init_metadata = getattr(batch.attn_backend, "init_forward_metadata", None)
         if init_metadata is not None:
             init_metadata(batch)
-        with torch.no_grad():
+        with torch.no_grad(), use_batch(batch):
             return self.model(batch.input_ids, batch.positions, batch)
 
     def stats(self) -> Dict[str, Any]:
@@ -313,6 +347,11 @@ class GraphRunner:
         result["backend"] = self.backend_name
         result["capture_sizes"] = list(self.capture_sizes)
         result.update(self.registry.summary())
+        if self.piecewise is not None:
+            piecewise = self.piecewise.summary()
+            result["key_hits"].update(piecewise["key_hits"])
+            result["captured_keys"] += piecewise["captured_keys"]
+            result["failed_keys"].update(piecewise["failed_keys"])
         result["uncut_outputs"] = dict(self.dispatcher.outputs.uncut_outputs)
         result["static_input_bytes"] = self.buffers.static_bytes()
         return result

@@ -27,6 +27,13 @@ def default_capture_sizes(max_batch_size: int) -> List[int]:
     return sizes
 
 
+def default_piecewise_sizes(largest: int) -> List[int]:
+    """Powers of two from 1 up to ``largest``, and ``largest`` itself: padding a prefill or mixed
+    step to the next size at most doubles it, with one key per doubling (few captures)."""
+    sizes = [1 << power for power in range(largest.bit_length()) if 1 << power < largest]
+    return sizes + [largest]
+
+
 def normalize_capture_sizes(sizes: Iterable[int], limit: int, field: str = "capture_sizes") -> List[int]:
     """Sorted unique sizes, each a positive int not above ``limit``; ValueError names the field."""
     result = sorted(set(sizes))

@@ -19,6 +19,7 @@ class RuntimeStats:
     """Counters updated once per step; plain ints and Counters so the hot path stays cheap."""
 
     graph_runs: int = 0
+    piecewise_runs: int = 0
     eager_runs: int = 0
     eager_reasons: Counter = field(default_factory=Counter)
     real_tokens: int = 0
@@ -28,6 +29,12 @@ class RuntimeStats:
     def record_graph(self, real_tokens: int, padded_tokens: int) -> None:
         """Count one replay carrying ``real_tokens`` rows padded to ``padded_tokens``."""
         self.graph_runs += 1
+        self.real_tokens += real_tokens
+        self.padded_tokens += padded_tokens - real_tokens
+
+    def record_piecewise(self, real_tokens: int, padded_tokens: int) -> None:
+        """Count one piecewise replay (graph pieces around eager splitting ops) of ``real_tokens`` rows."""
+        self.piecewise_runs += 1
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens - real_tokens
 
@@ -51,6 +58,7 @@ class RuntimeStats:
         total = self.real_tokens + self.padded_tokens
         return {
             "graph_runs": self.graph_runs,
+            "piecewise_runs": self.piecewise_runs,
             "eager_runs": self.eager_runs,
             "eager_reasons": dict(self.eager_reasons),
             "real_tokens": self.real_tokens,

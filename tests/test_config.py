@@ -75,7 +75,7 @@ def test_wrong_types_raise_type_errors():
 
 def test_public_names_are_what_a_user_imports():
     assert sorted(graphrt.__all__, key=str.lower) == [
-        "CaptureReport", "check", "CheckReport", "EagerReason", "ForwardBatch", "ForwardMode", "GraphedCallable",
+        "CaptureReport", "check", "CheckReport", "current_batch", "EagerReason", "ForwardBatch", "ForwardMode", "GraphedCallable",
         "GraphKey", "GraphRunner", "RunnerConfig", "StaleOutputError", "UBatchConfig", "wrap",
     ]
     assert all(getattr(graphrt, name) is not None for name in graphrt.__all__)

@@ -72,13 +72,13 @@ class CudaGraphBackend:
             try:
                 outputs = fn()
             except BaseException:
-                self._abandon(graph)
+                self.abandon(graph)
                 raise
             graph.capture_end()
         torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._reserved() - reserved_before)
 
-    def _abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
+    def abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
         """End a capture whose callable raised, so the stream leaves capture mode."""
         for step in (graph.capture_end, lambda: torch.cuda.synchronize(self.device)):
             try:

@@ -8,6 +8,7 @@ from graphrt.reference.config import ReferenceConfig
 from graphrt.reference.generate import generate_greedy, graph_runner_kwargs, make_decode_batch, make_extend_batch
 from graphrt.reference.kv_cache import DUMMY_REQUEST, SCRATCH_SLOT, CachePools, KVPool, ReqToTokenPool
 from graphrt.reference.model import ReferenceDecoder, build_reference, run_eager
+from graphrt.reference.varlen import VARLEN_OP, VarlenAttnBackend, varlen_attention
 
 __all__ = [
     "AttnMetadata",
@@ -19,6 +20,8 @@ __all__ = [
     "ReqToTokenPool",
     "SCRATCH_SLOT",
     "TorchNativeAttnBackend",
+    "VARLEN_OP",
+    "VarlenAttnBackend",
     "build_reference",
     "generate_greedy",
     "graph_runner_kwargs",
@@ -26,4 +29,5 @@ __all__ = [
     "make_extend_batch",
     "run_eager",
     "token_requests",
+    "varlen_attention",
 ]

@@ -108,15 +108,22 @@ class TorchNativeAttnBackend:
 
     # ---- attention ------------------------------------------------------------------------
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Store k/v at ``out_cache_loc`` for ``layer_id``, then attend; q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's k/v [T, Hkv, D] at ``out_cache_loc`` of layer ``layer_id``; returns its K and V buffers."""
         k_buffer = self.kv_pool.k_buffers[layer_id]
         v_buffer = self.kv_pool.v_buffers[layer_id]
         loc = forward_batch.out_cache_loc
         k_buffer[loc] = k.to(k_buffer.dtype)
         v_buffer[loc] = v.to(v_buffer.dtype)
+        return k_buffer, v_buffer
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Store k/v at ``out_cache_loc`` for ``layer_id``, then attend; q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+        k_buffer, v_buffer = self.store_kv(k, v, layer_id, forward_batch)
         meta = self.forward_metadata
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_buffer.shape[1]

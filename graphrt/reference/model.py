@@ -17,9 +17,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphrt.batch import ForwardBatch
+from graphrt.forward_context import use_batch
 from graphrt.reference.attention import TorchNativeAttnBackend
 from graphrt.reference.config import ReferenceConfig
 from graphrt.reference.kv_cache import CachePools
+from graphrt.reference.varlen import VarlenAttnBackend
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,8 @@ class ReferenceDecoder(nn.Module):
 def run_eager(model: ReferenceDecoder, forward_batch: ForwardBatch) -> torch.Tensor:
     """Initialize the model's attention metadata for this batch, then run it eagerly."""
     model.attn_backend.init_forward_metadata(forward_batch)
-    return model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+    with use_batch(forward_batch):  # what graphrt.current_batch() serves to a varlen attention op
+        return model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
 
 def build_reference(
@@ -172,10 +175,18 @@ def build_reference(
     num_requests: int = 16,
     num_slots: Optional[int] = None,
     device: Union[str, torch.device] = "cpu",
+    attention: str = "native",
 ) -> Tuple[ReferenceDecoder, TorchNativeAttnBackend, CachePools]:
-    """Model, backend and pools wired together; ``num_slots`` defaults to every request at full context."""
+    """Model, backend and pools wired together; ``num_slots`` defaults to every request at full context.
+
+    ``attention``: ``"native"`` (graph-safe in every mode) or ``"varlen"`` (prefill and mixed through
+    the ``varlen_attention`` custom op, which needs piecewise graphs: ``splitting_ops=[VARLEN_OP]``).
+    """
+    backends = {"native": TorchNativeAttnBackend, "varlen": VarlenAttnBackend}
+    if attention not in backends:
+        raise ValueError(f"attention: expected one of {sorted(backends)}, got {attention!r}")
     if num_slots is None:
         num_slots = num_requests * config.max_context_len + 1
     pools = CachePools.for_config(config, num_requests, num_slots, device)
-    backend = TorchNativeAttnBackend(pools.req_to_token, pools.kv)
+    backend = backends[attention](pools.req_to_token, pools.kv)
     return ReferenceDecoder(config, backend, device), backend, pools

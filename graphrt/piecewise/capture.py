@@ -1,0 +1,122 @@
+"""PiecewiseBackend: a graph backend whose capture records the step in pieces split at the splitting ops.
+
+It wraps the runner's backend (cuda or emulated) and goes through the same capture sequence as
+whole graphs (``backends/capture.py``: warm-up, capture, every write undone), so whatever that
+sequence does for a whole graph it does for a piecewise one. Its ``capture`` runs the step under
+``SplitWatcher``, builds a ``PiecewiseGraph`` and verifies its first replay against eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+import torch
+
+from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.state_journal import StateJournal
+from graphrt.batch import ForwardBatch
+from graphrt.forward_context import use_batch
+from graphrt.piecewise.ops import SplittingOps
+from graphrt.piecewise.sinks import piece_sink
+from graphrt.piecewise.split import PiecewiseCaptureError, SplitCall, SplitWatcher
+
+logger = logging.getLogger(__name__)
+
+
+class PiecewiseGraph:
+    """Pieces and the splitting-op calls between them; ``outputs`` are the step's static output leaves."""
+
+    def __init__(self, pieces: List[CapturedGraph], calls: List[SplitCall], outputs: Any,
+                 capture_batch: Optional[ForwardBatch]) -> None:
+        self.pieces = pieces
+        self.calls = calls
+        self.outputs = outputs
+        self.capture_batch = capture_batch  # the batch the step was recorded on (verify replays with it)
+        self.pool_bytes: Optional[int] = None
+        self.piece_count = len(pieces)
+
+    def replay(self) -> None:
+        """Piece, splitting op (eager, on its static inputs), piece, ..., piece. The splitting ops
+        read the step's live request metadata from ``graphrt.current_batch()``, set by the caller."""
+        pieces = self.pieces
+        for index, call in enumerate(self.calls):
+            pieces[index].replay()
+            call.run()
+        pieces[-1].replay()
+
+
+class PiecewiseBackend:
+    """``backend`` with a capture that splits the step at ``splitting`` ops (same protocol)."""
+
+    def __init__(self, backend: GraphBackend, splitting: SplittingOps,
+                 request_fields: Mapping[Tuple[torch.device, int], str]) -> None:
+        self.backend = backend
+        self.splitting = splitting
+        self.request_fields = request_fields
+        self.name = backend.name
+        self.capture_executes = backend.capture_executes
+
+    def capture_session(self) -> AbstractContextManager:
+        return self.backend.capture_session()
+
+    def warmup_context(self) -> AbstractContextManager:
+        return self.backend.warmup_context()
+
+    def capture(self, fn: Callable[[], Any]) -> PiecewiseGraph:
+        """Run ``fn`` once under the watcher into the backend's piece sink, then verify the result."""
+        sink = piece_sink(self.backend)
+        watcher = SplitWatcher(self.splitting, self.request_fields, sink)
+        reserved = _reserved(self.backend)
+        with sink.recording():
+            with watcher:
+                outputs = fn()
+        watcher.check_all_called()
+        graph = PiecewiseGraph(sink.pieces(watcher.calls, outputs), watcher.calls, outputs, watcher.batch)
+        graph.pool_bytes = _pool_bytes(self.backend, reserved, graph)
+        verify_first_replay(fn, graph)
+        logger.debug("captured %d pieces around %d splitting-op calls", graph.piece_count, len(watcher.calls))
+        return graph
+
+
+def verify_first_replay(fn: Callable[[], Any], graph: PiecewiseGraph) -> None:
+    """Compare the first replay with the step run eagerly on the same static inputs (both runs
+    undone); a mismatch fails the capture naming the output and the difference.
+
+    On CUDA a replay's kernels are invisible to the journal: only its splitting ops are undone,
+    and pieces write only what capture's own runs wrote (pad rows of the scratch slot, say).
+    """
+    journal = StateJournal()
+    try:
+        with journal:
+            expected = [_owned(leaf) for leaf in fn()]
+    finally:
+        journal.restore()
+    try:
+        with journal, use_batch(graph.capture_batch):
+            graph.replay()
+            actual = [_owned(leaf) for leaf in graph.outputs]
+    finally:
+        journal.restore()
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        if isinstance(want, torch.Tensor):
+            try:
+                torch.testing.assert_close(got, want)
+            except AssertionError as error:
+                raise PiecewiseCaptureError(f"output[{index}]: first replay differs from eager: {error}") from None
+
+
+def _owned(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _reserved(backend: GraphBackend) -> Optional[int]:
+    return torch.cuda.memory_reserved(backend.device) if backend.name == "cuda" else None
+
+
+def _pool_bytes(backend: GraphBackend, reserved: Optional[int], graph: PiecewiseGraph) -> int:
+    """CUDA: growth of reserved memory; emulated: bytes of the tensors the pieces publish."""
+    if reserved is not None:
+        return _reserved(backend) - reserved
+    return sum(piece.pool_bytes or 0 for piece in graph.pieces)

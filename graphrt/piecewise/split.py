@@ -1,0 +1,148 @@
+"""Direct capture in pieces: a dispatch mode that cuts the step at every splitting op.
+
+While the step runs once on a piecewise key's static batch, ``SplitWatcher`` sees every aten
+op. At a splitting op it ends the current piece, runs the op eagerly (outside every recording
+mode), keeps its arguments and output tensors (static memory from then on), and begins the
+next piece: the same for both backends, only the ``PieceSink`` differs (CUDA: one CUDAGraph
+per piece in the shared pool; emulated: one recorded op segment per piece). It also refuses
+what a token-keyed piece cannot replay: a read of a request-shaped static field, and a
+splitting op whose output it cannot put in place.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from graphrt.backends.op_graph import model_source_line
+from graphrt.backends.state_journal import storage_key
+from graphrt.forward_context import current_batch
+from graphrt.piecewise.ops import SplittingOps
+
+
+class PiecewiseCaptureError(RuntimeError):
+    """The step cannot be captured in pieces; the message names the op or field and why."""
+
+
+@dataclass
+class SplitCall:
+    """One call of a splitting op at capture: replay calls it again on the same (static) arguments
+    and copies its fresh result into ``outputs``, the tensors the next piece reads."""
+
+    func: Any
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    outputs: List[torch.Tensor]
+
+    def run(self) -> None:
+        """Call the op eagerly and put its result where the next piece reads it."""
+        fresh = self.func(*self.args, **self.kwargs)
+        if len(self.outputs) == 1:
+            self.outputs[0].copy_(fresh if isinstance(fresh, torch.Tensor) else fresh[0])
+        else:
+            torch._foreach_copy_(self.outputs, list(tree_leaves(fresh)))
+
+
+class PieceSink(Protocol):
+    """Where a backend puts pieces: ``recording()`` begins the first piece and ends the last;
+    ``split(run)`` ends the current piece, calls ``run`` (the splitting op, eagerly), begins the next."""
+
+    def recording(self) -> AbstractContextManager:
+        """Context of the whole capture pass."""
+
+    def split(self, run: Callable[[], Any]) -> Any:
+        """End the piece, run the op, begin the next piece; returns the op's result."""
+
+
+class SplitWatcher(TorchDispatchMode):
+    """Cuts the step at splitting ops into ``sink``; refuses request-shaped reads and unplaceable outputs.
+
+    ``request_fields``: the storage of each request-shaped static slot -> the field's name.
+    """
+
+    def __init__(
+        self, splitting: SplittingOps, request_fields: Mapping[Tuple[torch.device, int], str], sink: PieceSink
+    ) -> None:
+        super().__init__()
+        self.splitting = splitting
+        self.request_fields = request_fields
+        self.sink = sink
+        self.calls: List[SplitCall] = []
+        self.batch: Optional[Any] = None  # graphrt.current_batch() at the first split: what the ops read
+        self._seen: Dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        self._refuse_request_reads(func, args, kwargs)
+        name = self.splitting.match(func)
+        if not name:
+            return func(*args, **kwargs)
+        _refuse_unplaceable(func)
+        self._seen[name] = self._seen.get(name, 0) + 1
+        if self.batch is None:
+            self.batch = current_batch()
+
+        def run_eagerly() -> Any:
+            with _disable_current_modes():  # the op is no part of any piece
+                return func(*args, **kwargs)
+
+        result = self.sink.split(run_eagerly)
+        outputs = [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+        self.calls.append(SplitCall(func, tuple(args), dict(kwargs), outputs))
+        return result
+
+    def _refuse_request_reads(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                field_name = self.request_fields.get(storage_key(leaf))
+                if field_name is not None:
+                    where = model_source_line()
+                    raise PiecewiseCaptureError(
+                        f"piece {len(self.calls)} reads the request-shaped field {field_name!r} ({func}"
+                        f"{f' at {where}' if where else ''}): a piecewise key is keyed by token count only and "
+                        "cannot stage per-request rows; read request metadata inside a splitting op through "
+                        "graphrt.current_batch()"
+                    )
+
+    def check_all_called(self) -> None:
+        """Raise if a configured splitting op never ran in the step (a split that never happens)."""
+        missing = [name for name in self.splitting.names if name not in self._seen]
+        if missing:
+            raise PiecewiseCaptureError(
+                f"splitting_ops: {', '.join(missing)} never called by the step, so it cannot split there "
+                "(check the op name, or that the model calls it for prefill batches)"
+            )
+
+
+def _refuse_unplaceable(func: Any) -> None:
+    """A splitting op must return fresh tensors and write no argument: graphrt copies its
+    result into static memory, and cannot re-point a piece at a view or an in-place result."""
+    schema = func._schema
+    if schema.is_mutable:
+        written = [arg.name for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+        raise PiecewiseCaptureError(
+            f"splitting op {schema.name} writes its argument(s) {written} in place: graphrt can place only "
+            "returned tensors; return the output instead of writing it"
+        )
+    for result in schema.returns:
+        if result.alias_info is not None or str(result.type) not in ("Tensor", "Tensor[]"):
+            raise PiecewiseCaptureError(
+                f"splitting op {schema.name} returns {result.type}{' (a view of an input)' if result.alias_info else ''}"
+                ": graphrt can place only fresh tensors (Tensor or Tensor[]) between pieces"
+            )
+
+
+def request_storages(batch: Any, names: Tuple[str, ...]) -> Dict[Tuple[torch.device, int], str]:
+    """Storage of each request-shaped tensor field of ``batch`` -> the field's name."""
+    result = {}
+    for name in names:
+        value = getattr(batch, name, None)
+        if isinstance(value, torch.Tensor):
+            result[storage_key(value)] = name
+    return result
+
