@@ -1,7 +1,7 @@
 """Which ops split a step into graph pieces: ``splitting_ops`` resolved once to op names.
 
-An entry is an ``OpOverload`` (that overload only), an ``OpOverloadPacket`` or a
-``"namespace::name"`` string (every overload of the op). Names are checked against the ops
+An entry is an ``OpOverload`` (that overload only), an ``OpOverloadPacket``, a function made by
+``torch.library.custom_op`` or a ``"namespace::name"`` string (every overload of the op). Names are checked against the ops
 torch knows, so a typo fails at construction, not as a capture that never splits.
 """
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Tuple
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 SplittingOpSpec = Any  # torch._ops.OpOverload | torch._ops.OpOverloadPacket | str
 
@@ -38,7 +39,7 @@ def resolve_splitting_ops(specs: Iterable[SplittingOpSpec]) -> SplittingOps:
     """``SplittingOps`` for the ``splitting_ops`` option; TypeError/ValueError names the bad entry."""
     if isinstance(specs, SplittingOps):  # already resolved (dataclasses.replace of a RunnerConfig)
         return specs
-    if isinstance(specs, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(specs, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, CustomOpDef)):
         specs = (specs,)
     names = []
     for spec in specs:
@@ -46,11 +47,13 @@ def resolve_splitting_ops(specs: Iterable[SplittingOpSpec]) -> SplittingOps:
             names.append(f"{spec._schema.name}.{spec._overloadname}")
         elif isinstance(spec, torch._ops.OpOverloadPacket):
             names.append(spec._qualified_op_name)
+        elif isinstance(spec, CustomOpDef):  # a function decorated with torch.library.custom_op
+            names.append(spec._qualname)
         elif isinstance(spec, str):
             names.append(_checked_name(spec))
         else:
-            raise TypeError(f"splitting_ops: expected OpOverload, OpOverloadPacket or 'namespace::name' entries, "
-                            f"got {type(spec).__name__}")
+            raise TypeError("splitting_ops: expected OpOverload, OpOverloadPacket, custom op or 'namespace::name' "
+                            f"entries, got {type(spec).__name__}")
     return SplittingOps(tuple(dict.fromkeys(names)))
 
 
