@@ -10,9 +10,8 @@ CUDA graph freezes them).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Any, Optional
 
 from graphrt.batch import ForwardBatch
 
@@ -24,11 +23,17 @@ def current_batch() -> Optional[ForwardBatch]:
     return _CURRENT.get()
 
 
-@contextmanager
-def use_batch(batch: Optional[ForwardBatch]) -> Iterator[None]:
-    """Make ``batch`` the current batch for the block (restores the previous one after)."""
-    token = _CURRENT.set(batch)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+class use_batch:  # noqa: N801 - used like a function: ``with use_batch(batch):``
+    """Make ``batch`` the current batch for the block (restores the previous one after). A class,
+    not a generator: it runs on every step, and this costs half of what @contextmanager does."""
+
+    __slots__ = ("_batch", "_token")
+
+    def __init__(self, batch: Optional[ForwardBatch]) -> None:
+        self._batch = batch
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT.set(self._batch)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _CURRENT.reset(self._token)

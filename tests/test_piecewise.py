@@ -131,3 +131,15 @@ def test_capture_leaves_the_model_state_bitwise_unchanged():
     assert not report.failed, report.failed
     after = state_of(setup)
     assert all(torch.equal(old, new) for old, new in zip(before, after))
+
+
+def test_check_lists_where_the_step_splits():
+    setup = VarlenSetup(sizes=[8, 16], capture=False)
+    report = setup.runner.check()
+    assert report.ok, str(report)
+    assert report.pieces == 3
+    [site] = report.splits
+    assert (site.op, site.count) == ("graphrt_reference::varlen_attention", 2)
+    assert site.source.startswith("graphrt/reference/varlen.py:") and site.source.endswith("in forward")
+    assert "splits (a piecewise step runs these ops eagerly between 3 graph pieces):" in str(report)
+    assert report.to_dict()["splits"] == [{"op": site.op, "source": site.source, "count": 2}]

@@ -75,6 +75,8 @@ class CheckReport:
     state_writes: List[StateWrite] = field(default_factory=list)
     arguments: List[ArgumentInfo] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    splits: List[Any] = field(default_factory=list)  # SplitSite: where a piecewise step runs an op eagerly
+    pieces: Optional[int] = None  # graph pieces of a piecewise step (runners with splitting_ops)
     recordings: int = 0
     seconds: float = 0.0
 
@@ -100,6 +102,7 @@ class CheckReport:
             "recordings": self.recordings, "findings": [finding.to_dict() for finding in self.sorted_findings()],
             "state_writes": [asdict(write) for write in self.state_writes],
             "arguments": [asdict(argument) for argument in self.arguments], "notes": list(self.notes),
+            "splits": [asdict(site) for site in self.splits], "pieces": self.pieces,
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -119,6 +122,7 @@ class CheckReport:
         lines += _hazard_lines(self.sorted_findings())
         lines += _state_lines(self.state_writes)
         lines += _argument_lines(self.arguments)
+        lines += _split_lines(self.splits, self.pieces)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -159,4 +163,16 @@ def _argument_lines(arguments: List[ArgumentInfo]) -> List[str]:
     for argument in arguments:
         lines.append(f"  {argument.name:<24} {argument.kind:<12} {argument.description:<26} "
                      f"eager when: {argument.runs_eagerly_when}")
+    return lines
+
+
+def _split_lines(splits: List[Any], pieces: Optional[int]) -> List[str]:
+    if pieces is None:
+        return []
+    if not splits:
+        return ["splits: none (no splitting op is called: a piecewise step would be one piece)"]
+    lines = [f"splits (a piecewise step runs these ops eagerly between {pieces} graph pieces):"]
+    for site in splits:
+        times = f" (x{site.count})" if site.count > 1 else ""
+        lines.append(f"  {site.op}{times} @ {site.source or '<unknown line>'}")
     return lines

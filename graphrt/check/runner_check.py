@@ -21,6 +21,7 @@ from graphrt.check.names import callable_roots
 from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
 from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
+from graphrt.check.splits import split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.registry import EagerReason, GraphEntry, GraphKey, recorded_step
@@ -41,6 +42,8 @@ def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
         ("batch_context", runner.context)]
     session = CheckSession(f"GraphRunner({type(runner.model).__name__})", roots, runner.device)
     with preserved_random_state(), preserved_state(session.graph):
+        if runner.piecewise is not None:
+            _check_splits(session, runner)
         for position, entry in enumerate(entries):
             step = Step(f"static batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs),
                         lambda entry=entry: before_capture(entry))
@@ -52,6 +55,17 @@ def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
         for index, example in enumerate(examples):
             _check_example(session, runner, index, example)
     return session.finish()
+
+
+def _check_splits(session: CheckSession, runner: "GraphRunner") -> None:
+    """Record the step on the smallest piecewise key's dummy batch and list where it splits."""
+    entries = runner.piecewise.registry.entries
+    entry = entries[min(entries, key=lambda key: key.num_tokens)]
+    step = Step(f"dummy batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs))
+    if _warm_up(session, step):
+        recording = session.record(step)
+        if session.analyze(recording, with_state=False):
+            session.report.splits, session.report.pieces = split_sites(recording, runner.config.splitting_ops)
 
 
 def _entries(runner: "GraphRunner", keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:

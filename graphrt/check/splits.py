@@ -1,0 +1,38 @@
+"""Where a piecewise step splits: the splitting-op calls of a recording, by model line.
+
+A splitting op (``RunnerConfig.splitting_ops``) runs eagerly between graph pieces; the report
+lists each call site with its model line and how many times the step reaches it (a loop over
+layers), and the number of graph pieces that makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from graphrt.check.recording import Recording, source_text
+
+
+@dataclass
+class SplitSite:
+    """One model line that calls a splitting op: the step splits there ``count`` times."""
+
+    op: str
+    source: Optional[str]
+    count: int
+
+
+def split_sites(recording: Recording, splitting: Any) -> Tuple[List[SplitSite], int]:
+    """The split sites of one recorded step (``splitting``: a SplittingOps) and the pieces they make."""
+    sites: Dict[Tuple[str, Optional[str]], SplitSite] = {}
+    calls = 0
+    for op in recording.ops:
+        name = splitting.match(op.func) if hasattr(op.func, "_schema") else ""
+        if name:
+            calls += 1
+            source = source_text(op.source)
+            site = sites.get((name, source))
+            if site is None:
+                site = sites[(name, source)] = SplitSite(name, source, 0)
+            site.count += 1
+    return list(sites.values()), calls + 1
