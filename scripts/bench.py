@@ -40,6 +40,15 @@ from bench_lib import (
     parameter_count,
 )
 from bench_peer import compiled_step, warm_compiled
+from bench_piecewise import (
+    PIECEWISE_SIZES,
+    TRACE_REQUESTS,
+    chunked_prefill_trace,
+    format_piecewise,
+    measure_piecewise,
+    piecewise_runners,
+    varlen_workload,
+)
 from bench_report import (
     BACKEND_NOTES,
     OVERHEAD_TARGET,
@@ -76,6 +85,7 @@ class Settings:
     backend: str
     batch_sizes: List[int]
     ubatch_sizes: List[int]
+    piecewise_tokens: List[int]
     iters: int
     warmup: int
     sample_ms: float
@@ -102,6 +112,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--ubatch-sizes",
                         help="sizes above the largest batch size, run micro-batched (default 1.25x and 2x-3 of it, "
                              "--quick 1.5x; '' to skip)")
+    parser.add_argument("--piecewise-tokens",
+                        help="token counts of the prefill/mixed steps timed eager vs piecewise (default 12,40,100, "
+                             "--quick 12,40; '' to skip the piecewise section)")
     parser.add_argument("--iters", type=int, help="timed samples per batch size (default 50, --quick 5)")
     parser.add_argument("--warmup", type=int, help="discarded warm-up samples per batch size (default 3, --quick 1)")
     parser.add_argument("--sample-ms", type=float, help="target length of one sample, ms (default 5, --quick 1)")
@@ -151,6 +164,14 @@ def resolve(args: argparse.Namespace) -> Settings:
     def pick(value: Any, default: Any, quick: Any) -> Any:
         return value if value is not None else (quick if args.quick else default)
 
+    piecewise_text = pick(args.piecewise_tokens, "12,40,100", "12,40")
+    try:
+        piecewise_tokens = sorted({int(size) for size in piecewise_text.split(",") if size.strip()})
+    except ValueError:
+        raise SystemExit(f"--piecewise-tokens: expected comma-separated ints, got {piecewise_text!r}") from None
+    if piecewise_tokens and not 3 <= piecewise_tokens[0] <= piecewise_tokens[-1] <= PIECEWISE_SIZES[-1]:
+        raise SystemExit(f"--piecewise-tokens: expected ints in [3, {PIECEWISE_SIZES[-1]}], got {piecewise_tokens}")
+
     return Settings(
         model=args.model if args.model != "auto" else ("realistic" if device.type == "cuda" else "small"),
         overrides={field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()},
@@ -159,6 +180,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         backend=args.backend,
         batch_sizes=batch_sizes,
         ubatch_sizes=ubatch_sizes,
+        piecewise_tokens=piecewise_tokens,
         iters=pick(args.iters, 50, 5),
         warmup=pick(args.warmup, 3, 1),
         sample_ms=pick(args.sample_ms, 5.0, 1.0),
@@ -256,6 +278,20 @@ def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op
     return results, compile_info
 
 
+def run_piecewise(settings: Settings, config: Any, max_batch_size: int, rng: random.Random) -> Optional[Dict[str, Any]]:
+    """The piecewise section (bench_piecewise.py) on the same model shape with varlen attention."""
+    if not settings.piecewise_tokens:
+        return None
+    work = varlen_workload(config, max(max_batch_size, TRACE_REQUESTS), settings.device)
+    runner, one_op = piecewise_runners(work, settings.backend, max_batch_size)
+    clock = Clock(settings.device, settings.sample_ms / 1e3)
+    results = measure_piecewise(work, runner, one_op, clock, settings.piecewise_tokens, settings.iters,
+                                settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
+    trace = chunked_prefill_trace(work, runner, TRACE_REQUESTS, settings.new_tokens, rng)
+    return {"sizes": list(PIECEWISE_SIZES), "steps": [dataclasses.asdict(result) for result in results],
+            "trace": dataclasses.asdict(trace)}
+
+
 def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[BatchResult]]:
     """Build, capture, verify and time everything; returns the JSON document and the per-size results."""
     torch.manual_seed(settings.seed)
@@ -271,6 +307,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         throughput = measure_throughput(work, runner, prompts, settings.new_tokens, settings.repeats)
         ubatch = measure_ubatch(work, runner, Clock(settings.device, settings.sample_ms / 1e3), settings.ubatch_sizes,
                                 settings.iters, settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
+        piecewise = run_piecewise(settings, config, max_batch_size, rng)
     backend = runner.backend_name
     doc = {
         "benchmark": "graphrt decode step: eager vs GraphRunner vs raw replay",
@@ -295,6 +332,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         },
         "compile": compile_info,
         "ubatch": [dataclasses.asdict(result) for result in ubatch],
+        "piecewise": piecewise,
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
@@ -318,6 +356,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_report(doc, results))
     print("\n".join(format_ubatch([UBatchResult(**{**r, "times_us": {k: Spread(**v) for k, v in r["times_us"].items()}})
                                    for r in doc["ubatch"]], max(settings.batch_sizes[-1], settings.prompts))))
+    if doc["piecewise"] is not None:
+        print("\n".join(format_piecewise(doc["piecewise"])))
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")

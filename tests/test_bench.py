@@ -67,6 +67,17 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
         assert result["batch_size"] > 3 and result["eager_runs_per_call"] == 0 and sum(result["pieces"].values()) >= 2
         assert result["max_abs_diff"] <= 1e-4
     assert all("debug_cost" in batch["times_us"] for batch in doc["batches"])
+    piecewise = doc["piecewise"]
+    assert piecewise["sizes"] == [16, 32, 64, 128] and [s["num_tokens"] for s in piecewise["steps"]] == [12, 40]
+    for step in piecewise["steps"]:  # varlen attention between 3 pieces, equal to eager at the padded size
+        assert step["pieces"] == 3 and step["bitwise_equal_padded_eager"] is True and step["mode"] == "MIXED"
+        assert step["padded_size"] == min(size for size in piecewise["sizes"] if size >= step["num_tokens"])
+        assert all(math.isfinite(step["times_us"][name]["median"]) for name in ("eager", "piecewise", "raw_replay"))
+        assert math.isfinite(step["one_op_overhead_trivial_ops"]["median"])
+    trace = piecewise["trace"]
+    assert trace["tokens"] > 0 and sum(trace["shares"].values()) == pytest.approx(1.0)
+    assert trace["shares"]["piecewise"] > 0
+    assert "prefill/mixed steps, varlen attention as the splitting op" in printed and "chunked-prefill trace" in printed
     study = doc["capture_sizes_study"]
     assert [row["trace"] for row in study] == ["uniform 1..64", "Poisson mean 12", "bursty 1-4 / 48-64"]
     assert all(row["tuned_waste"] <= row["default_waste"] for row in study), "tuned sizes never pad more"
@@ -76,8 +87,10 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
 
 
 def test_no_plot_writes_no_png(bench, tmp_path):
-    run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu", "--no-plot", "--batch-sizes", "2")
+    doc = run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu", "--no-plot", "--batch-sizes", "2",
+                    "--piecewise-tokens", "")
     assert not list(tmp_path.glob("*.png"))
+    assert doc["piecewise"] is None and doc["settings"]["piecewise_tokens"] == []
 
 
 def test_graph_that_disagrees_with_eager_is_not_timed(bench, monkeypatch):
