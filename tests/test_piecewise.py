@@ -135,7 +135,10 @@ def test_capture_leaves_the_model_state_bitwise_unchanged():
 
 def test_check_lists_where_the_step_splits():
     setup = VarlenSetup(sizes=[8, 16], capture=False)
-    report = setup.runner.check()
+    example = setup.step_batch(random.Random(0), num_reqs=2, max_new=4)
+    report = setup.runner.check(example)
+    assert report.notes == ["example 0 replays piecewise (piecewise/tokens=8): its pieces are checked on that "
+                            "key's dummy batch, not on the example"]
     assert report.ok, str(report)
     assert report.pieces == 3
     [site] = report.splits

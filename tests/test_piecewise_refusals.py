@@ -130,4 +130,5 @@ def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa:
         ("replay",), ("splitting op",),
     ]
     assert graph.piece_count == 2 and graph_mock.replay.call_count == 4
+    fakes["synchronize"].assert_called_with(torch.device("cuda", 0))
     assert torch.equal(graph.outputs[0], (x + 1) * 6)

@@ -105,7 +105,12 @@ def _check_example(session: CheckSession, runner: "GraphRunner", index: int, exa
     example.validate(runner.device, runner.debug)
     decision = runner.dispatcher.decide(example)
     if decision.reason not in _KEY_KNOWN or decision.entry is None:
-        session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
+        piecewise = runner.piecewise.decide(example, decision) if runner.piecewise is not None else decision
+        if piecewise.reason in _KEY_KNOWN and piecewise.entry is not None:
+            session.report.notes.append(f"example {index} replays piecewise ({piecewise.entry.key}): its pieces "
+                                        "are checked on that key's dummy batch, not on the example")
+        else:
+            session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
         return
     key = decision.entry.key
     example = with_context(example, runner.context)

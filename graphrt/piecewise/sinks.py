@@ -96,6 +96,7 @@ class CudaPieces:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
+        torch.cuda.synchronize(self.backend.device)
         with self.backend.warmup_context():  # the capture stream
             self._begin()
             try:
@@ -104,6 +105,7 @@ class CudaPieces:
                 self.backend.abandon(self.graphs[-1])
                 raise
             self.graphs[-1].capture_end()
+        torch.cuda.synchronize(self.backend.device)
 
     def split(self, run: Callable[[], Any]) -> Any:
         self.graphs[-1].capture_end()
