@@ -57,6 +57,14 @@ def test_a_piece_reading_a_request_shaped_field_is_refused_naming_it():
     assert runner.stats()["eager_reasons"] == {"capture_failed": 1}
 
 
+def test_check_reports_the_request_shaped_read_before_capture():
+    report = toy_runner(SplitToy(double_rows, read_field="seq_lens")).check()
+    [finding] = report.findings
+    assert finding.kind == "step_raised" and "request-shaped field 'seq_lens'" in finding.message
+    assert finding.source.startswith("tests/test_piecewise_refusals.py:") and report.pieces == 2
+    assert toy_runner(SplitToy(double_rows)).check().ok
+
+
 def test_a_splitting_op_that_writes_its_argument_is_refused():
     runner = toy_runner(SplitToy(torch.ops.graphrt_test.double_rows_))
     failed = list(runner.capture().failed.values())

@@ -21,7 +21,7 @@ from graphrt.check.names import callable_roots
 from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
 from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
-from graphrt.check.splits import split_sites
+from graphrt.check.splits import piece_refusal, split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.registry import EagerReason, GraphEntry, GraphKey, recorded_step
@@ -62,10 +62,15 @@ def _check_splits(session: CheckSession, runner: "GraphRunner") -> None:
     entries = runner.piecewise.registry.entries
     entry = entries[min(entries, key=lambda key: key.num_tokens)]
     step = Step(f"dummy batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs))
-    if _warm_up(session, step):
-        recording = session.record(step)
-        if session.analyze(recording, with_state=False):
-            session.report.splits, session.report.pieces = split_sites(recording, runner.config.splitting_ops)
+    if not _warm_up(session, step):
+        return
+    recording = session.record(step)
+    if session.analyze(recording, with_state=False):
+        session.report.splits, session.report.pieces = split_sites(recording, runner.config.splitting_ops)
+        backend = runner.piecewise.registry.backend
+        refusal = piece_refusal(step.fn, backend.splitting, backend.request_fields)
+        if refusal is not None:
+            session.add_error(f"{step.label} (piecewise capture)", refusal, raising_line(refusal))
 
 
 def _entries(runner: "GraphRunner", keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:

@@ -2,15 +2,17 @@
 
 A splitting op (``RunnerConfig.splitting_ops``) runs eagerly between graph pieces; the report
 lists each call site with its model line and how many times the step reaches it (a loop over
-layers), and the number of graph pieces that makes.
+layers), and the number of graph pieces that makes. ``piece_refusal`` runs the step under the
+watcher piecewise capture uses, so what capture would refuse is reported before capture.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from graphrt.check.recording import Recording, source_text
+from graphrt.piecewise.split import PiecewiseCaptureError, SplitWatcher
 
 
 @dataclass
@@ -36,3 +38,24 @@ def split_sites(recording: Recording, splitting: Any) -> Tuple[List[SplitSite], 
                 site = sites[(name, source)] = SplitSite(name, source, 0)
             site.count += 1
     return list(sites.values()), calls + 1
+
+
+class _InlineSplits:
+    """A piece sink that keeps no pieces: the splitting op just runs."""
+
+    def split(self, run: Callable[[], Any]) -> Any:
+        return run()
+
+
+def piece_refusal(step: Callable[[], Any], splitting: Any, request_fields: Mapping[Any, str]
+                  ) -> Optional[PiecewiseCaptureError]:
+    """Why piecewise capture would refuse ``step`` (a request-shaped read in a piece, an op it
+    cannot place, a splitting op never called), or None. The caller undoes the step's writes."""
+    watcher = SplitWatcher(splitting, request_fields, _InlineSplits())
+    try:
+        with watcher:
+            step()
+        watcher.check_all_called()
+    except PiecewiseCaptureError as error:
+        return error
+    return None
