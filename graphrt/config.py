@@ -42,8 +42,9 @@ class RunnerConfig:
     ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
     replay captured graphs (merged in order) instead of running eagerly.
     ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
-    ``splitting_ops``: ops run eagerly between graph pieces (``OpOverload``, ``OpOverloadPacket``
-    or ``"namespace::name"``; typically a ``torch.library`` custom op wrapping varlen attention).
+    ``splitting_ops``: ops run eagerly between graph pieces (``OpOverload``, ``OpOverloadPacket``,
+    a ``torch.library.custom_op`` function or ``"namespace::name"``; typically a custom op wrapping
+    varlen attention).
     With them, steps no full graph serves replay piecewise graphs keyed by padded token count
     (``piecewise_sizes``; default: powers of two from 1 up to the larger of ``max_batch_size`` and
     the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.

@@ -24,8 +24,8 @@ from graphrt.check.runner_check import check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
 from graphrt.forward_context import use_batch
-from graphrt.piecewise.runtime import PiecewiseGraphs
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
+from graphrt.piecewise.runtime import PiecewiseGraphs
 from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis

@@ -29,12 +29,14 @@ class RuntimeStats:
     def record_graph(self, real_tokens: int, padded_tokens: int) -> None:
         """Count one replay carrying ``real_tokens`` rows padded to ``padded_tokens``."""
         self.graph_runs += 1
-        self.real_tokens += real_tokens
-        self.padded_tokens += padded_tokens - real_tokens
+        self._count_padded(real_tokens, padded_tokens)
 
     def record_piecewise(self, real_tokens: int, padded_tokens: int) -> None:
-        """Count one piecewise replay (graph pieces around eager splitting ops) of ``real_tokens`` rows."""
+        """Count one piecewise replay (graph pieces around eager splitting ops), padded like a replay."""
         self.piecewise_runs += 1
+        self._count_padded(real_tokens, padded_tokens)
+
+    def _count_padded(self, real_tokens: int, padded_tokens: int) -> None:
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens - real_tokens
 

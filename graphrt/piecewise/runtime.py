@@ -10,7 +10,6 @@ full graph serves it and its token count fits a piecewise size (any mode).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Callable, Mapping, Sequence
 
 from graphrt.backends.base import GraphBackend
@@ -24,8 +23,6 @@ from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, G
 from graphrt.sizes import SizeGrid
 from graphrt.staging import InputBufferManager, RowAxis, StagingPlan
 from graphrt.stats import RuntimeStats
-
-logger = logging.getLogger(__name__)
 
 DUMMY_REQUESTS = 1  # every piecewise key is recorded with one request holding all its tokens
 TOKEN_STAGED = ("input_ids", "positions", "out_cache_loc")

@@ -11,7 +11,6 @@ capture stream; the splitting op runs eagerly between ``capture_end`` and the ne
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Set
 
@@ -22,8 +21,6 @@ from graphrt.backends.base import CapturedGraph, GraphBackend
 from graphrt.backends.emulated import EmulatedGraph
 from graphrt.backends.op_graph import OpRecorder, RecordedOp, build_op_graph
 from graphrt.piecewise.split import SplitCall
-
-logger = logging.getLogger(__name__)
 
 
 class EmulatedPieces:

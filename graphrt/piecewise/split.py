@@ -136,13 +136,3 @@ def _refuse_unplaceable(func: Any) -> None:
                 ": graphrt can place only fresh tensors (Tensor or Tensor[]) between pieces"
             )
 
-
-def request_storages(batch: Any, names: Tuple[str, ...]) -> Dict[Tuple[torch.device, int], str]:
-    """Storage of each request-shaped tensor field of ``batch`` -> the field's name."""
-    result = {}
-    for name in names:
-        value = getattr(batch, name, None)
-        if isinstance(value, torch.Tensor):
-            result[storage_key(value)] = name
-    return result
-
