@@ -43,6 +43,7 @@ from bench_peer import compiled_step, warm_compiled
 from bench_piecewise import (
     PIECEWISE_SIZES,
     TRACE_REQUESTS,
+    TRACE_TOKEN_BUDGETS,
     chunked_prefill_trace,
     format_piecewise,
     measure_piecewise,
@@ -282,14 +283,16 @@ def run_piecewise(settings: Settings, config: Any, max_batch_size: int, rng: ran
     """The piecewise section (bench_piecewise.py) on the same model shape with varlen attention."""
     if not settings.piecewise_tokens:
         return None
+    start = time.perf_counter()
     work = varlen_workload(config, max(max_batch_size, TRACE_REQUESTS), settings.device)
     runner, one_op = piecewise_runners(work, settings.backend, max_batch_size)
     clock = Clock(settings.device, settings.sample_ms / 1e3)
     results = measure_piecewise(work, runner, one_op, clock, settings.piecewise_tokens, settings.iters,
                                 settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
-    trace = chunked_prefill_trace(work, runner, TRACE_REQUESTS, settings.new_tokens, rng)
+    traces = [chunked_prefill_trace(work, runner, TRACE_REQUESTS, settings.new_tokens, budget, rng)
+              for budget in TRACE_TOKEN_BUDGETS]
     return {"sizes": list(PIECEWISE_SIZES), "steps": [dataclasses.asdict(result) for result in results],
-            "trace": dataclasses.asdict(trace)}
+            "traces": [dataclasses.asdict(trace) for trace in traces], "seconds": time.perf_counter() - start}
 
 
 def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[BatchResult]]:

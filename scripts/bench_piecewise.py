@@ -23,7 +23,8 @@ from graphrt.reference import VARLEN_OP, ReferenceConfig, build_reference, graph
 from graphrt.reference.generate import make_decode_batch, make_extend_batch
 
 PIECEWISE_SIZES = (16, 32, 64, 128)
-TRACE_TOKEN_BUDGET = 192  # chunked-prefill budget per step: steps above 128 tokens run eagerly
+# Chunked-prefill budgets per step: the largest piecewise size, and twice it (its fuller steps run eagerly).
+TRACE_TOKEN_BUDGETS = (PIECEWISE_SIZES[-1], 2 * PIECEWISE_SIZES[-1])
 TRACE_REQUESTS = 16
 
 
@@ -154,9 +155,9 @@ def one_op_batch(batch: ForwardBatch) -> ForwardBatch:
     return dataclasses.replace(batch, **{name: None for name in CONTEXT_FIELDS})
 
 
-def chunked_prefill_trace(work: Workload, runner: GraphRunner, requests: int, new_tokens: int,
+def chunked_prefill_trace(work: Workload, runner: GraphRunner, requests: int, new_tokens: int, token_budget: int,
                           rng: random.Random) -> TraceShares:
-    """Serve ``requests`` prompts with chunked prefill (at most TRACE_TOKEN_BUDGET tokens per step: running
+    """Serve ``requests`` prompts with chunked prefill (at most ``token_budget`` tokens per step: running
     decodes first, then prefill chunks) and count each step's tokens under the path the runner took."""
     context = work.config.max_context_len
     prompts = [rng.randint(8, max(8, context - new_tokens - 1)) for _ in range(requests)]
@@ -168,7 +169,7 @@ def chunked_prefill_trace(work: Workload, runner: GraphRunner, requests: int, ne
     steps = 0
     while waiting or rows:
         decoding = [r for r in rows if done[r] >= prompts[r]]
-        budget = TRACE_TOKEN_BUDGET - len(decoding)
+        budget = token_budget - len(decoding)
         chunks: Dict[int, int] = {r: 1 for r in decoding}
         for r in [r for r in rows if r not in chunks] + waiting:
             if budget <= 0:
@@ -194,7 +195,7 @@ def chunked_prefill_trace(work: Workload, runner: GraphRunner, requests: int, ne
     reasons = {reason: count - before["eager_reasons"].get(reason, 0)
                for reason, count in runner.stats()["eager_reasons"].items()
                if count != before["eager_reasons"].get(reason, 0)}
-    return TraceShares(steps, total, TRACE_TOKEN_BUDGET, {path: n / total for path, n in tokens_by_path.items()},
+    return TraceShares(steps, total, token_budget, {path: n / total for path, n in tokens_by_path.items()},
                        reasons)
 
 
@@ -230,9 +231,10 @@ def format_piecewise(section: Dict[str, Any]) -> List[str]:
             f"      graphrt's own cost per piecewise step (one-op model, 2 pieces, runner - raw replay): "
             f"{times['one_op_overhead']['median']:.1f} us = {step['one_op_overhead_trivial_ops']['median']:.1f} "
             f"trivial ops")
-    trace = section["trace"]
-    shares = ", ".join(f"{path} {share:.0%}" for path, share in trace["shares"].items())
-    lines.append(f"chunked-prefill trace ({trace['steps']} steps, {trace['tokens']} tokens, at most "
-                 f"{trace['token_budget']} tokens/step): tokens by path: {shares}; eager reasons: "
-                 f"{trace['eager_reasons'] or 'none'}")
+    for trace in section["traces"]:
+        shares = ", ".join(f"{path} {share:.0%}" for path, share in trace["shares"].items())
+        lines.append(f"chunked-prefill trace, at most {trace['token_budget']} tokens/step ({trace['steps']} steps, "
+                     f"{trace['tokens']} tokens): tokens by path: {shares}; eager reasons: "
+                     f"{trace['eager_reasons'] or 'none'}")
+    lines.append(f"piecewise section: {section['seconds']:.1f} s (capture, checks, timing and traces)")
     return lines

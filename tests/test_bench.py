@@ -74,9 +74,12 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
         assert step["padded_size"] == min(size for size in piecewise["sizes"] if size >= step["num_tokens"])
         assert all(math.isfinite(step["times_us"][name]["median"]) for name in ("eager", "piecewise", "raw_replay"))
         assert math.isfinite(step["one_op_overhead_trivial_ops"]["median"])
-    trace = piecewise["trace"]
-    assert trace["tokens"] > 0 and sum(trace["shares"].values()) == pytest.approx(1.0)
-    assert trace["shares"]["piecewise"] > 0
+    within, above = piecewise["traces"]  # budget = the largest piecewise size, then twice it
+    assert (within["token_budget"], above["token_budget"]) == (128, 256)
+    for trace in (within, above):
+        assert trace["tokens"] > 0 and sum(trace["shares"].values()) == pytest.approx(1.0)
+    assert within["shares"]["eager"] == 0 and within["shares"]["piecewise"] > 0 and within["eager_reasons"] == {}
+    assert set(above["eager_reasons"]) <= {"batch_too_large"}
     assert "prefill/mixed steps, varlen attention as the splitting op" in printed and "chunked-prefill trace" in printed
     study = doc["capture_sizes_study"]
     assert [row["trace"] for row in study] == ["uniform 1..64", "Poisson mean 12", "bursty 1-4 / 48-64"]
