@@ -28,6 +28,12 @@ def double_rows_(x: torch.Tensor) -> None:
     x.mul_(2)
 
 
+@torch.library.custom_op("graphrt_test::real_rows", mutates_args=())
+def real_rows(x: torch.Tensor) -> torch.Tensor:
+    """A splitting op that returns only the live batch's real rows (not the padded shape it was given)."""
+    return x[: current_batch().num_tokens] * 2
+
+
 @torch.library.custom_op("graphrt_test::batch_total", mutates_args=())
 def batch_total(x: torch.Tensor) -> torch.Tensor:
     """Reads a host value of the step through graphrt.current_batch(): x filled with seq_lens_sum."""
@@ -39,11 +45,12 @@ class VarlenSetup:
 
     def __init__(self, sizes=PIECEWISE_SIZES, max_batch_size: int = 4, splitting_ops=(VARLEN_OP,),
                  modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED), capture: bool = True,
-                 max_context_len: int = 64) -> None:
+                 max_context_len: int = 64, backend: str = "emulated", device: str = "cpu") -> None:
         config = ReferenceConfig.tiny(max_context_len=max_context_len)
-        self.model, self.attn, self.pools = build_reference(config, num_requests=64, attention="varlen")
+        self.device = device
+        self.model, self.attn, self.pools = build_reference(config, num_requests=64, device=device, attention="varlen")
         self.runner = GraphRunner(
-            self.model, max_batch_size=max_batch_size, modes=modes, backend="emulated", progress=False,
+            self.model, max_batch_size=max_batch_size, modes=modes, backend=backend, device=device, progress=False,
             splitting_ops=splitting_ops, piecewise_sizes=sizes, **graph_runner_kwargs(self.attn, self.pools))
         self.report = self.runner.capture() if capture else None
         self.lengths = {}  # request row -> cached tokens
@@ -69,5 +76,5 @@ class VarlenSetup:
             self.lengths[req] += len(chunk)
         if mode is None:
             mode = ForwardMode.MIXED if any(prefixes) and rng.random() < 0.5 else ForwardMode.EXTEND
-        return make_extend_batch(chunks, reqs, prefixes, out_loc, "cpu", mode=mode, pools=self.pools,
+        return make_extend_batch(chunks, reqs, prefixes, out_loc, self.device, mode=mode, pools=self.pools,
                                  attn_backend=self.attn)

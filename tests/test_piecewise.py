@@ -40,12 +40,25 @@ def padded_size(num_tokens: int) -> int:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_prefill_and_mixed_steps_equal_eager(setup, seed):
+    check_random_steps(setup, seed)
+
+
+@pytest.mark.cuda
+def test_prefill_and_mixed_steps_equal_eager_on_cuda():
+    check_random_steps(VarlenSetup(backend="cuda", device="cuda"), seed=0)
+
+
+def check_random_steps(setup: VarlenSetup, seed: int) -> None:
+    """Three random prefill/mixed steps through the runner: each piecewise, bitwise equal to eager
+    at the padded size and close to unpadded eager; at least one of them padded."""
     rng = random.Random(seed)
     runner = setup.runner
+    padded_steps = 0
     for _ in range(3):
         batch = setup.step_batch(rng)
         before = runner.stats()["piecewise_runs"]
         unpadded = run_eager(setup.model, batch).clone()
+        padded_steps += padded_size(batch.num_tokens) > batch.num_tokens
         padded = pad_forward_batch(batch, padded_size(batch.num_tokens), batch.batch_size, runner.pad_values)
         padded_eager = run_eager(setup.model, padded)[: batch.num_tokens].clone()
         actual = runner(batch)
@@ -53,7 +66,7 @@ def test_prefill_and_mixed_steps_equal_eager(setup, seed):
         assert actual.shape == (batch.num_tokens, setup.model.config.vocab_size)
         assert torch.equal(actual, padded_eager), f"{batch.forward_mode.name}, {batch.num_tokens} tokens"
         torch.testing.assert_close(actual, unpadded, atol=ATOL, rtol=RTOL)
-    assert runner.stats()["eager_runs"] == 0
+    assert runner.stats()["eager_runs"] == 0 and padded_steps > 0
 
 
 def test_only_the_splitting_op_runs_at_replay(setup):

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from piecewise_helpers import OP_CALLS, batch_total, double_rows
+from piecewise_helpers import OP_CALLS, batch_total, double_rows, real_rows
 from test_cuda_backend_api import fake_cuda  # noqa: F401 - the autospecced torch.cuda fixture
 from ubatch_helpers import make_batch
 
@@ -70,6 +70,18 @@ def test_a_splitting_op_that_writes_its_argument_is_refused():
     failed = list(runner.capture().failed.values())
     assert len(failed) == 2 and all("graphrt_test::double_rows_ writes its argument(s) ['x']" in reason
                                     for reason in failed), failed
+
+
+def test_a_splitting_op_returning_another_shape_at_replay_disables_the_key_and_runs_eagerly():
+    runner = toy_runner(SplitToy(real_rows))
+    assert not runner.capture().failed  # at capture the live batch is the dummy one: the shapes agree
+    batch = extend_batch([3, 2])
+    result = runner(batch)
+    assert result.shape == (5, 8)
+    stats = runner.stats()
+    assert stats["eager_reasons"] == {"replay_failed": 1} and stats["piecewise_runs"] == 0
+    assert "splitting op graphrt_test::real_rows: returned shapes [[5, 8]], expected the captured [[8, 8]]" in (
+        stats["failed_keys"]["piecewise/tokens=8"])
 
 
 def test_a_splitting_op_the_step_never_calls_is_named():

@@ -42,10 +42,16 @@ class SplitCall:
     def run(self) -> None:
         """Call the op eagerly and put its result where the next piece reads it."""
         fresh = self.func(*self.args, **self.kwargs)
-        if len(self.outputs) == 1:
-            self.outputs[0].copy_(fresh if isinstance(fresh, torch.Tensor) else fresh[0])
+        fresh = [fresh] if isinstance(fresh, torch.Tensor) else list(tree_leaves(fresh))
+        if len(fresh) != len(self.outputs) or any(new.shape != old.shape for new, old in zip(fresh, self.outputs)):
+            raise ValueError(
+                f"splitting op {self.func._schema.name}: returned shapes {[list(t.shape) for t in fresh]}, expected "
+                f"the captured {[list(t.shape) for t in self.outputs]}: it must return the padded shape of its "
+                "inputs (padding rows harmless), whatever the live batch")
+        if len(fresh) == 1:
+            self.outputs[0].copy_(fresh[0])
         else:
-            torch._foreach_copy_(self.outputs, list(tree_leaves(fresh)))
+            torch._foreach_copy_(self.outputs, fresh)
 
 
 class PieceSink(Protocol):
