@@ -1,8 +1,9 @@
 """Which ops split a step into graph pieces: ``splitting_ops`` resolved once to op names.
 
 An entry is an ``OpOverload`` (that overload only), an ``OpOverloadPacket``, a function made by
-``torch.library.custom_op`` or a ``"namespace::name"`` string (every overload of the op). Names are checked against the ops
-torch knows, so a typo fails at construction, not as a capture that never splits.
+``torch.library.custom_op`` or a ``"namespace::name"`` string (every overload of the op). Names
+are checked against the ops torch knows, so a typo fails at construction, not as a capture that
+never splits.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Tuple
 import torch
 from torch._library.custom_ops import CustomOpDef
 
-SplittingOpSpec = Any  # torch._ops.OpOverload | torch._ops.OpOverloadPacket | str
+SplittingOpSpec = Any  # OpOverload | OpOverloadPacket | CustomOpDef | "namespace::name"
 
 
 @dataclass(frozen=True)
