@@ -22,10 +22,10 @@ from graphrt.reference import VARLEN_OP
 class SplitToy(torch.nn.Module):
     """Embeds tokens, calls ``op`` between two row-wise steps, optionally reads a batch field in a piece."""
 
-    def __init__(self, op, read_field=None) -> None:
+    def __init__(self, op, read_field=None, noise: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Parameter(torch.randn(1000, 8, generator=torch.Generator().manual_seed(0)))
-        self.op, self.read_field = op, read_field
+        self.op, self.read_field, self.noise = op, read_field, noise
 
     def forward(self, input_ids, positions, forward_batch):
         hidden = self.embed[input_ids] + positions[:, None]
@@ -33,6 +33,8 @@ class SplitToy(torch.nn.Module):
         hidden = hidden if result is None else result
         if self.read_field is not None:
             hidden = hidden + getattr(forward_batch, self.read_field).sum()
+        if self.noise:  # each run draws other numbers: a replay cannot equal eager
+            hidden = hidden + torch.rand_like(hidden)
         return hidden * 3
 
 
@@ -82,6 +84,12 @@ def test_a_splitting_op_returning_another_shape_at_replay_disables_the_key_and_r
     assert stats["eager_reasons"] == {"replay_failed": 1} and stats["piecewise_runs"] == 0
     assert "splitting op graphrt_test::real_rows: returned shapes [[5, 8]], expected the captured [[8, 8]]" in (
         stats["failed_keys"]["piecewise/tokens=8"])
+
+
+def test_a_first_replay_that_differs_from_eager_fails_the_key():
+    failed = list(toy_runner(SplitToy(double_rows, noise=True)).capture().failed.items())
+    assert sorted(str(key) for key, _ in failed) == ["piecewise/tokens=16", "piecewise/tokens=8"]
+    assert all("output[0]: first replay differs from eager" in reason for _, reason in failed), failed
 
 
 def test_a_splitting_op_the_step_never_calls_is_named():
