@@ -17,7 +17,7 @@ import torch
 from graphrt.backends.base import CapturedGraph, GraphBackend
 from graphrt.backends.state_journal import StateJournal
 from graphrt.batch import ForwardBatch
-from graphrt.forward_context import use_batch
+from graphrt.forward_context import current_batch, use_batch
 from graphrt.piecewise.ops import SplittingOps
 from graphrt.piecewise.sinks import piece_sink
 from graphrt.piecewise.split import PiecewiseCaptureError, SplitCall, SplitWatcher
@@ -39,7 +39,15 @@ class PiecewiseGraph:
 
     def replay(self) -> None:
         """Piece, splitting op (eager, on its static inputs), piece, ..., piece. The splitting ops
-        read the step's live request metadata from ``graphrt.current_batch()``, set by the caller."""
+        read the step's live request metadata from ``graphrt.current_batch()``, set by the caller;
+        outside any step (a capture-time check) they read the batch the step was recorded on."""
+        if current_batch() is None:
+            with use_batch(self.capture_batch):
+                self._replay()
+        else:
+            self._replay()
+
+    def _replay(self) -> None:
         pieces = self.pieces
         for index, call in enumerate(self.calls):
             pieces[index].replay()
@@ -94,7 +102,7 @@ def verify_first_replay(fn: Callable[[], Any], graph: PiecewiseGraph) -> None:
     finally:
         journal.restore()
     try:
-        with journal, use_batch(graph.capture_batch):
+        with journal:
             graph.replay()
             actual = [_owned(leaf) for leaf in graph.outputs]
     finally:
