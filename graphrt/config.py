@@ -41,6 +41,8 @@ class RunnerConfig:
     ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
     replay captured graphs (merged in order) instead of running eagerly.
     ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
+    ``verify``: compare each key's first replay with eager on the same inputs at capture (one
+    extra eager step and replay per key); a difference keeps the key eager (``verify_failed``).
     """
 
     max_batch_size: int = 64
@@ -54,6 +56,7 @@ class RunnerConfig:
     batch_context: Mapping[str, Any] = field(default_factory=dict)
     extend_capture_sizes: Optional[Tuple[Sequence[int], Sequence[int]]] = None
     debug: Optional[bool] = None
+    verify: bool = True
     progress: bool = True
     histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None
     max_graphs: Optional[int] = None

@@ -62,7 +62,7 @@ class GraphRunner:
         self.capture_sizes = self._agreed(self._initial_sizes())
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(any(mode.is_extend() for mode in self._graph_modes))
-        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters)
+        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters, config.verify)
         self.dispatcher = Dispatcher(
             self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
             graphs_enabled=self.backend_name != "eager",

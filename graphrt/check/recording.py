@@ -19,13 +19,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphrt.backends.op_graph import (
-    OpRecorder,
-    RecordedOp,
-    SourceLine,
-    is_model_file,
-    model_source_line,
-)
+from graphrt.backends.op_graph import OpRecorder, RecordedOp
+from graphrt.backends.source_lines import SourceLine, is_model_file, model_source_line
 from graphrt.backends.state_journal import StateJournal
 from graphrt.check.names import ObjectGraph, Rebinding, Snapshot
 
