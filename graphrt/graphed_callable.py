@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphrt.backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.dispatch import OutputCutter
 from graphrt.layout.call_signature import CallSignature, StaticCall
@@ -55,6 +56,7 @@ class GraphedCallable:
         debug: Optional[bool] = None,
         verify: bool = True,
     ) -> None:
+        refuse_compiled_cudagraphs(fn, "fn")
         self.fn = fn
         self.max_batch_size = max_batch_size
         self.capture_sizes = (

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
 from graphrt.check.report import CheckReport
@@ -47,6 +48,7 @@ class GraphRunner:
             raise TypeError(f"config: expected a RunnerConfig, got {type(config).__name__}")
         elif options:
             config = dataclasses.replace(config, **options)
+        refuse_compiled_cudagraphs(model, "model")
         requested = resolve_backend_name(config.backend)
         self.model = model
         self.config = config
