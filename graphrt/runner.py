@@ -20,8 +20,7 @@ import torch
 from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
-from graphrt.check.report import CheckReport
-from graphrt.check.runner_check import check_runner
+from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
@@ -153,13 +152,13 @@ class GraphRunner:
             logger.info("graphs are off (backend eager or %s=1): nothing to capture", DISABLE_ENV)
             return CaptureReport()
         with self._lock:
-            report = self.registry.capture_all(self._prepare_capture(), progress=self.config.progress)
+            report = self.registry.capture_all(self.prepare_capture(), progress=self.config.progress)
         logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
         return report
 
-    def _prepare_capture(self) -> Callable[[GraphEntry], None]:
+    def prepare_capture(self) -> Callable[[GraphEntry], None]:
         """Allocate the attention backend's graph state (once), then return the hook that runs
-        before each key's warm-up and capture (check() runs it too)."""
+        before each key's warm-up and capture (``graphrt.check`` records keys after it too)."""
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
         if init_graph_state is not None and not self._graph_state_ready:
