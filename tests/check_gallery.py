@@ -76,26 +76,6 @@ class UniqueModel(nn.Module):
         return x + torch.unique(ids).numel()  # HAZARD: host_sync
 
 
-class NumpyModel(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = float(x.numpy().max())  # HAZARD: host_sync
-        return x * scale
-
-
-class EqualModel(nn.Module):
-    def forward(self, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        same = torch.equal(x, reference)  # HAZARD: host_sync
-        return x * 2 if same else x + 1
-
-
-class NestedMaskModel(nn.Module):
-    """Packs the rows a mask keeps into a nested tensor (as nn.TransformerEncoder's fast path does)."""
-
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        packed = torch._nested_tensor_from_mask(x, keep)  # HAZARD: host_sync
-        return packed.to_padded_tensor(0.0, x.shape)
-
-
 class BranchModel(nn.Module):
     """A branch on a tensor value: a host read, and an op graph that depends on the input."""
 
@@ -190,6 +170,26 @@ def no_batch_dim(x: torch.Tensor) -> torch.Tensor:
 
 def raises(x: torch.Tensor) -> torch.Tensor:
     raise ValueError("this step always raises")  # HAZARD: step_raised
+
+
+class NumpyModel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.numpy().max())  # HAZARD: host_sync
+        return x * scale
+
+
+class EqualModel(nn.Module):
+    def forward(self, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        same = torch.equal(x, reference)  # HAZARD: host_sync
+        return x * 2 if same else x + 1
+
+
+class NestedMaskModel(nn.Module):
+    """Packs the rows a mask keeps into a nested tensor (as nn.TransformerEncoder's fast path does)."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        packed = torch._nested_tensor_from_mask(x, keep)  # HAZARD: host_sync
+        return packed.to_padded_tensor(0.0, x.shape)
 
 
 # ---- factories: (callable, example_args) -------------------------------------------------
