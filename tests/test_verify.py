@@ -141,3 +141,11 @@ def toy_runner_factory():
                            progress=False, **options)
 
     return make
+
+
+def test_up_front_wrap_capture_verifies_and_leaves_state_as_it_was():
+    model = PathUnderCapture(write_state=True)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[2, 4], backend="emulated")
+    report = fast.capture(torch.ones(4, 2))
+    assert not report.ok and all("VerifyError: state written by" in reason for reason in report.failed.values())
+    assert torch.equal(model.seen, torch.zeros(4))  # recording, eager run and replay all undone
