@@ -48,6 +48,8 @@ class RunnerConfig:
     With them, steps no full graph serves replay piecewise graphs keyed by padded token count
     (``piecewise_sizes``; default: powers of two from 1 up to the larger of ``max_batch_size`` and
     the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.
+    ``verify``: compare each key's first replay with eager on the same inputs at capture (one
+    extra eager step and replay per key); a difference keeps the key eager (``verify_failed``).
     """
 
     max_batch_size: int = 64
@@ -61,6 +63,7 @@ class RunnerConfig:
     batch_context: Mapping[str, Any] = field(default_factory=dict)
     extend_capture_sizes: Optional[Tuple[Sequence[int], Sequence[int]]] = None
     debug: Optional[bool] = None
+    verify: bool = True
     progress: bool = True
     histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None
     max_graphs: Optional[int] = None

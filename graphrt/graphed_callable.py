@@ -26,11 +26,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphrt.backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.dispatch import OutputCutter
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.rebind_guard import RebindGuard
-from graphrt.registry import CaptureReport, EagerReason, GraphEntry, GraphKey, GraphRegistry
+from graphrt.registry import STATUS_REASONS, CaptureReport, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
 
@@ -53,7 +54,9 @@ class GraphedCallable:
         copy_outputs: bool = False,
         progress: bool = False,
         debug: Optional[bool] = None,
+        verify: bool = True,
     ) -> None:
+        refuse_compiled_cudagraphs(fn, "fn")
         self.fn = fn
         self.max_batch_size = max_batch_size
         self.capture_sizes = (
@@ -66,7 +69,7 @@ class GraphedCallable:
         self.warmup_iters = warmup_iters
         self._warm_calls: Dict[GraphKey, int] = {}
         self._stats = RuntimeStats()
-        self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters)
+        self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters, verify)
         self.outputs = OutputCutter(self.registry, copy_outputs, debug_enabled() if debug is None else debug)
         self.signature: Optional[CallSignature] = None
         self.signature_changes = 0
@@ -201,8 +204,8 @@ class GraphedCallable:
         self.signature.stage(leaves, batch_size)
         with self.registry.backend.capture_session():
             captured = self.registry.capture_entry(entry, warmup_iters=0)
-        if not captured:
-            return self._run_eager(EagerReason.CAPTURE_FAILED, batch_size, args, kwargs)
+        if not captured:  # capture_failed, or verify_failed
+            return self._run_eager(STATUS_REASONS[entry.status], batch_size, args, kwargs)
         decision = self.outputs.lookup(MODE, batch_size, batch_size)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, batch_size, args, kwargs)

@@ -21,7 +21,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
     tqdm = None
 
 from graphrt.backends.base import CapturedGraph, GraphBackend
-from graphrt.backends.capture import capture_graph
+from graphrt.backends.capture import capture_graph, verify_graph
 from graphrt.batch import ForwardMode
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths
 from graphrt.sizes import SizeGrid, build_pad_table
@@ -48,6 +48,7 @@ class GraphStatus(enum.Enum):
     PENDING = "pending"
     READY = "ready"
     FAILED = "failed"
+    VERIFY_FAILED = "verify_failed"  # captured, but its first replay differed from eager
     DISABLED = "disabled"
 
 
@@ -61,6 +62,7 @@ class EagerReason(str, enum.Enum):
     BATCH_TOO_LARGE = "batch_too_large"
     SHAPE_MISMATCH = "shape_mismatch"  # wrap(): the call's arguments differ from the captured signature
     CAPTURE_FAILED = "capture_failed"
+    VERIFY_FAILED = "verify_failed"  # the key's first replay differed from eager at capture
     DISABLED = "disabled"  # an earlier replay of this key raised
     UNSUPPORTED_FIELD = "unsupported_field"  # logprobs or multimodal fields: graphs are captured without them
     CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
@@ -87,6 +89,7 @@ class GraphEntry(Generic[StaticInputs]):
     status: GraphStatus = GraphStatus.PENDING
     reason: Optional[str] = None
     seconds: float = 0.0
+    verify_seconds: float = 0.0
     pool_bytes: Optional[int] = None
     hits: int = 0
     result_cache: Dict[Tuple[int, int], Any] = field(default_factory=dict, repr=False)  # real size -> cut outputs
@@ -104,6 +107,7 @@ class Decision(NamedTuple):
 STATUS_REASONS = {
     GraphStatus.PENDING: EagerReason.NOT_CAPTURED,
     GraphStatus.FAILED: EagerReason.CAPTURE_FAILED,
+    GraphStatus.VERIFY_FAILED: EagerReason.VERIFY_FAILED,
     GraphStatus.DISABLED: EagerReason.DISABLED,
 }
 TOO_LARGE = Decision(None, EagerReason.BATCH_TOO_LARGE)
@@ -142,6 +146,7 @@ class KeyReport:
     seconds: float
     pool_bytes: Optional[int]
     reason: Optional[str] = None
+    verify_seconds: float = 0.0  # part of ``seconds``: the eager run and replay that verified the graph
     pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
 
 
@@ -167,23 +172,28 @@ class CaptureReport:
     def pool_bytes(self) -> int:
         return sum(report.pool_bytes or 0 for report in self.keys)
 
+    @property
+    def verify_seconds(self) -> float:
+        return sum(report.verify_seconds for report in self.keys)
+
     def __str__(self) -> str:
-        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'pool MiB':>9} {'pieces':>6}  reason"]
+        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'pool MiB':>9} {'pieces':>6}  reason"]
         for report in self.keys:
             pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
             status = "ok" if report.ok else "failed"
             pieces = "-" if report.pieces is None else str(report.pieces)
-            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {pool:>9} {pieces:>6}  "
-                         f"{report.reason or ''}")
+            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {report.verify_seconds:>8.3f} "
+                         f"{pool:>9} {pieces:>6}  {report.reason or ''}")
         return "\n".join(lines)
 
 
 class GraphRegistry:
     """Holds one GraphEntry per key; captures them through a backend, largest first."""
 
-    def __init__(self, backend: Optional[GraphBackend], warmup_iters: int = 2) -> None:
+    def __init__(self, backend: Optional[GraphBackend], warmup_iters: int = 2, verify: bool = True) -> None:
         self.backend = backend
         self.warmup_iters = warmup_iters
+        self.verify = verify
         self.entries: Dict[GraphKey, GraphEntry] = {}
         self.grids: Dict[ForwardMode, Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
         self._by_rows: Dict[ForwardMode, List[Optional[GraphEntry]]] = {}
@@ -245,22 +255,33 @@ class GraphRegistry:
                     self.capture_entry(entry, self.warmup_iters)
                 entry.seconds = time.perf_counter() - start
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
-                                             entry.pool_bytes, entry.reason))
+                                             entry.pool_bytes, entry.reason, entry.verify_seconds))
         return report
 
     def capture_entry(self, entry: GraphEntry, warmup_iters: int) -> bool:
-        """Warm up and capture one key, every write to the model's tensors undone; a failure
-        marks the key FAILED with the reason (its steps run eagerly). True when READY."""
+        """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
+        write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
+        the reason (its steps run eagerly). True when READY."""
+        step = recorded_step(entry)
         try:
-            entry.graph = capture_graph(self.backend, recorded_step(entry), warmup_iters)
+            graph = capture_graph(self.backend, step, warmup_iters)
         except Exception as error:  # a failed capture disables only this key
             self._mark_failed(entry, error)
             return False
-        entry.status, entry.pool_bytes = GraphStatus.READY, entry.graph.pool_bytes
+        if self.verify:
+            start = time.perf_counter()
+            try:
+                verify_graph(graph, step)
+            except Exception as error:  # a mismatch (VerifyError) or a replay that raised: this key only
+                self._mark_failed(entry, error, GraphStatus.VERIFY_FAILED)
+                return False
+            finally:
+                entry.verify_seconds = time.perf_counter() - start
+        entry.graph, entry.status, entry.pool_bytes = graph, GraphStatus.READY, graph.pool_bytes
         return True
 
-    def _mark_failed(self, entry: GraphEntry, error: Exception) -> None:
-        entry.status, entry.reason = GraphStatus.FAILED, f"{type(error).__name__}: {error}"
+    def _mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED) -> None:
+        entry.status, entry.reason = status, f"{type(error).__name__}: {error}"
         logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
 
     def disable(self, key: GraphKey, reason: str) -> None:

@@ -17,10 +17,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
 from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
-from graphrt.check.report import CheckReport
-from graphrt.check.runner_check import check_runner
+from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
 from graphrt.forward_context import use_batch
@@ -49,6 +49,7 @@ class GraphRunner:
             raise TypeError(f"config: expected a RunnerConfig, got {type(config).__name__}")
         elif options:
             config = dataclasses.replace(config, **options)
+        refuse_compiled_cudagraphs(model, "model")
         requested = resolve_backend_name(config.backend)
         self.model = model
         self.config = config
@@ -65,8 +66,7 @@ class GraphRunner:
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
-        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters)
-        self._capture_batches: Dict[GraphKey, ForwardBatch] = {}  # what current_batch() is in a full graph
+        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters, config.verify)
         self.dispatcher = Dispatcher(
             self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
             graphs_enabled=self.backend_name != "eager",
@@ -135,9 +135,10 @@ class GraphRunner:
     def _make_entry(self, key: GraphKey) -> GraphEntry[ForwardBatch]:
         """A key's entry: the padded batch of static-slot views its graph reads, and the step on it."""
         static = static_batch_for(key, self.buffers, self.context, self.pad_values["seq_lens"])
-        # Inside a full graph, current_batch() is the batch as captured: its Python values frozen,
-        # as a CUDA graph freezes whatever host values the step read.
-        frozen = self._capture_batches[key] = dataclasses.replace(static)
+        # Inside a full graph, current_batch() is the batch as captured, its Python values frozen
+        # (a copy: replays restage ``static``), as a CUDA graph freezes the host values it read;
+        # the emulated backend replays in the context variables of its capture.
+        frozen = dataclasses.replace(static)
 
         def step() -> Any:
             with use_batch(frozen):
@@ -152,7 +153,7 @@ class GraphRunner:
             return None
         return PiecewiseGraphs(
             self.model, self.registry.backend, config.splitting_ops, config.piecewise_sizes, self.buffers,
-            self.context, self._stats, config.warmup_iters, config.copy_outputs, self.debug,
+            self.context, self._stats, config.warmup_iters, config.verify, config.copy_outputs, self.debug,
         )
 
     def _make_ubatch(self) -> Optional[UBatchWrapper]:
@@ -170,15 +171,15 @@ class GraphRunner:
             logger.info("graphs are off (backend eager or %s=1): nothing to capture", DISABLE_ENV)
             return CaptureReport()
         with self._lock:
-            report = self.registry.capture_all(self._prepare_capture(), progress=self.config.progress)
+            report = self.registry.capture_all(self.prepare_capture(), progress=self.config.progress)
             if self.piecewise is not None:
                 report.keys.extend(self.piecewise.capture(progress=self.config.progress).keys)
         logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
         return report
 
-    def _prepare_capture(self) -> Callable[[GraphEntry], None]:
+    def prepare_capture(self) -> Callable[[GraphEntry], None]:
         """Allocate the attention backend's graph state (once), then return the hook that runs
-        before each key's warm-up and capture (check() runs it too)."""
+        before each key's warm-up and capture (``graphrt.check`` records keys after it too)."""
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
         if init_graph_state is not None and not self._graph_state_ready:
@@ -302,8 +303,7 @@ class GraphRunner:
             decision = agreed.decide(self.dispatcher.outputs.lookup, local_reason)
         if decision.reason is None:
             try:
-                with use_batch(self._capture_batches[decision.entry.key]):
-                    return self.dispatcher.replay(decision.entry, batch)
+                return self.dispatcher.replay(decision.entry, batch)
             except Exception as error:  # a replay that raises: take the key out of use
                 self.registry.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
                 if agreed is not None:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
-
-if TYPE_CHECKING:
-    from graphrt.pools.buffers import BufferPool
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,14 @@ class BufferSpec:
 
     def __hash__(self) -> int:
         return hash((self.shape, self.dtype, str(self.device), self.pin_memory))
+
+
+class SlotPool(Protocol):
+    """Where an InputBufferManager built with ``pool=`` gets its slots (graphrt.pools.BufferPool is one)."""
+
+    def allocate(self, spec: BufferSpec) -> torch.Tensor: ...
+
+    def release(self, tensor: torch.Tensor) -> None: ...
 
 
 class RowAxis(enum.Enum):
@@ -130,7 +135,7 @@ class InputBufferManager:
 
     def __init__(
         self,
-        pool: Optional["BufferPool"] = None,
+        pool: Optional[SlotPool] = None,
         max_batch_size: int = 64,
         max_seq_len: Optional[int] = None,
         device: Optional[torch.device] = None,

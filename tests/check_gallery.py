@@ -172,6 +172,26 @@ def raises(x: torch.Tensor) -> torch.Tensor:
     raise ValueError("this step always raises")  # HAZARD: step_raised
 
 
+class NumpyModel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.numpy().max())  # HAZARD: host_sync
+        return x * scale
+
+
+class EqualModel(nn.Module):
+    def forward(self, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        same = torch.equal(x, reference)  # HAZARD: host_sync
+        return x * 2 if same else x + 1
+
+
+class NestedMaskModel(nn.Module):
+    """Packs the rows a mask keeps into a nested tensor (as nn.TransformerEncoder's fast path does)."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        packed = torch._nested_tensor_from_mask(x, keep)  # HAZARD: host_sync
+        return packed.to_padded_tensor(0.0, x.shape)
+
+
 # ---- factories: (callable, example_args) -------------------------------------------------
 
 
@@ -191,6 +211,20 @@ def lengths():
 
 def unique_ids():
     return UniqueModel(), (_rows(), torch.tensor([3, 1, 3, 2]))
+
+
+def numpy():
+    return NumpyModel(), (_rows().abs(),)
+
+
+def equal():
+    return EqualModel(), (_rows(), _rows(seed=1))
+
+
+def nested_mask():
+    keep = torch.ones(BATCH, 3, dtype=torch.bool)
+    keep[1:, 2] = False
+    return NestedMaskModel(), (torch.randn(BATCH, 3, HIDDEN, generator=torch.Generator().manual_seed(0)), keep)
 
 
 def input_write():
@@ -235,5 +269,5 @@ HAZARD_FACTORIES = {
     "branch": branch, "input_write": input_write, "rebind": rebind, "python_counter": python_counter,
     "generator": generator, "noise": noise, "input_view": input_view, "shared_outputs": shared_outputs,
     "batch_stats": batch_stats, "batch_sum": batch_sum, "fixed_batch": fixed_batch,
-    "no_batch": no_batch, "raising": raising,
+    "no_batch": no_batch, "raising": raising, "numpy": numpy, "equal": equal, "nested_mask": nested_mask,
 }

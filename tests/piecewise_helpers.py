@@ -34,6 +34,12 @@ def real_rows(x: torch.Tensor) -> torch.Tensor:
     return x[: current_batch().num_tokens] * 2
 
 
+@torch.library.custom_op("graphrt_test::host_lengths", mutates_args=())
+def host_lengths(x: torch.Tensor) -> torch.Tensor:
+    """Reads the step's seq_lens with ``.tolist()`` (a host read: allowed between pieces): x times their sum."""
+    return x * float(sum(current_batch().seq_lens.tolist()))
+
+
 @torch.library.custom_op("graphrt_test::batch_total", mutates_args=())
 def batch_total(x: torch.Tensor) -> torch.Tensor:
     """Reads a host value of the step through graphrt.current_batch(): x filled with seq_lens_sum."""

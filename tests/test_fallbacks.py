@@ -108,6 +108,7 @@ def test_every_eager_reason_is_reachable_and_counted():
     seen |= set(fast.stats()["eager_reasons"]) | {"replay_failed"}  # replay_failed: test above
     seen |= {"peer_eager"}  # needs two ranks: tests/test_lockstep.py
     seen |= {"unsliceable_output", "ambiguous_batch_axis"}  # tests/test_wrap_signatures.py
+    seen |= {"verify_failed"}  # tests/test_verify.py
     assert seen == {reason.value for reason in EagerReason}
 
 

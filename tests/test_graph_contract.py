@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from conftest import ToyPagedModel, decode_batch
@@ -64,9 +65,10 @@ def test_wrap_runs_each_user_call_exactly_once():
         out = fast(torch.full((3, 2), float(call)))
         assert torch.equal(out, torch.full((3, 2), 2.0 * call))
         assert int(counter) == call
-    # call 1: warm-up, the real step at its real size; call 2: recorded on the padded inputs
-    # (its writes undone) and replayed; calls 3-5: replays, no Python.
-    assert entries == [3, 4]
+    # call 1: warm-up, the real step at its real size; call 2: recorded on the padded inputs,
+    # verified against one eager run (both runs' writes undone) and replayed; calls 3-5:
+    # replays, no Python. The counter still advanced once per call.
+    assert entries == [3, 4, 4]
     assert fast.stats()["eager_reasons"] == {"warmup": 1} and fast.stats()["graph_runs"] == 4
 
 
@@ -151,12 +153,24 @@ class HostSyncModel(torch.nn.Module):
             return x * len(x.tolist())  # sync: tolist
         if self.kind == "nonzero":
             return x[:1] + x.nonzero().shape[0]  # sync: nonzero
+        if self.kind == "numpy":
+            return x * float(np.asarray(x).max())  # sync: numpy
+        if self.kind == "bool":
+            return x * 2 if x.sum() > 0 else x  # sync: bool
+        if self.kind == "int":
+            return x * int(x[0, 0])  # sync: int
+        if self.kind == "float":
+            return x * float(x[0, 0])  # sync: float
+        if self.kind == "unique":
+            return x + torch.unique(x).shape[0]  # sync: unique
         return x + x[x > 0].sum()  # sync: mask
 
 
 @pytest.mark.parametrize("kind, op", [
     ("item", "aten._local_scalar_dense"), ("tolist", "Tensor.tolist"),
-    ("nonzero", "aten.nonzero"), ("mask", "aten.index.Tensor"),
+    ("nonzero", "aten.nonzero"), ("mask", "aten.index.Tensor"), ("numpy", "Tensor.numpy"),
+    ("bool", "aten._local_scalar_dense"), ("int", "aten._local_scalar_dense"), ("float", "aten._local_scalar_dense"),
+    ("unique", "aten._unique2"),
 ])
 def test_host_sync_fails_capture_naming_the_op_and_line(kind, op):
     model = HostSyncModel(kind)

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-from piecewise_helpers import OP_CALLS, batch_total, double_rows, real_rows
+from piecewise_helpers import OP_CALLS, batch_total, double_rows, host_lengths, real_rows
 from test_cuda_backend_api import fake_cuda  # noqa: F401 - the autospecced torch.cuda fixture
 from ubatch_helpers import make_batch
 
 import graphrt
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
-from graphrt.backends.capture import capture_graph
+from graphrt.backends.capture import capture_graph, verify_graph
 from graphrt.backends.cuda import CudaGraphBackend
 from graphrt.piecewise import resolve_splitting_ops
 from graphrt.piecewise.capture import PiecewiseBackend
@@ -87,9 +87,25 @@ def test_a_splitting_op_returning_another_shape_at_replay_disables_the_key_and_r
 
 
 def test_a_first_replay_that_differs_from_eager_fails_the_key():
-    failed = list(toy_runner(SplitToy(double_rows, noise=True)).capture().failed.items())
-    assert sorted(str(key) for key, _ in failed) == ["piecewise/tokens=16", "piecewise/tokens=8"]
-    assert all("output[0]: first replay differs from eager" in reason for _, reason in failed), failed
+    runner = toy_runner(SplitToy(double_rows, noise=True))
+    failed = {str(key): reason for key, reason in runner.capture().failed.items()}
+    # The shared capture sequence verifies piecewise keys as it verifies full graphs.
+    assert set(failed) >= {"piecewise/tokens=16", "piecewise/tokens=8"}
+    assert all(failed[key].startswith("VerifyError: output leaf 0 differs from eager")
+               for key in ("piecewise/tokens=16", "piecewise/tokens=8")), failed
+    runner(extend_batch([3, 2]))
+    assert runner.stats()["eager_reasons"] == {"verify_failed": 1}
+
+
+def test_a_splitting_op_may_read_host_values_but_a_full_graph_may_not():
+    runner = toy_runner(SplitToy(host_lengths), max_batch_size=2)
+    failed = {str(key): reason for key, reason in runner.capture().failed.items()}
+    # Inside a full graph the op's .tolist() is a host read during capture; between pieces it runs eagerly.
+    assert sorted(failed) == ["decode/bs=1", "decode/bs=2"] and all("Tensor.tolist" in r for r in failed.values())
+    batch = extend_batch([3, 2])
+    assert torch.equal(runner(batch), (SplitToy(host_lengths).embed[batch.input_ids] + batch.positions[:, None])
+                       * float(batch.seq_lens.sum()) * 3)
+    assert runner.stats()["piecewise_runs"] == 1
 
 
 def test_a_splitting_op_the_step_never_calls_is_named():
@@ -143,8 +159,10 @@ def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa:
     x = torch.arange(4.0)
     OP_CALLS.append(lambda: events.append(("splitting op",)))
     try:
+        step = lambda: [double_rows(x + 1) * 3]  # noqa: E731
         with backend.capture_session():
-            graph = capture_graph(backend, lambda: [double_rows(x + 1) * 3], warmup_iters=1)
+            graph = capture_graph(backend, step, warmup_iters=1)
+            verify_graph(graph, step)  # what the registry runs after each capture
         events.append(("replay",))
         graph.replay()
     finally:

@@ -8,6 +8,7 @@ step fails the capture, as on CUDA. So a model that breaks under a CUDA graph br
 
 from __future__ import annotations
 
+import contextvars
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional
 
@@ -18,15 +19,24 @@ from graphrt.backends.session import gc_frozen
 
 
 class EmulatedGraph:
-    """A recorded op graph plus the output tensors every replay writes."""
+    """A recorded op graph plus the output tensors every replay writes. ``context``: the context
+    variables the step was recorded with; replays run in them (a custom op node re-runs its Python
+    at replay and must see the host values of the capture, as on CUDA)."""
 
-    def __init__(self, op_graph: OpGraph, outputs: Any) -> None:
+    def __init__(self, op_graph: OpGraph, outputs: Any, context: Optional[contextvars.Context] = None) -> None:
         self.outputs = outputs
         self.pool_bytes: Optional[int] = sum(t.numel() * t.element_size() for t in op_graph.copy_targets)
         self._forward = op_graph.module.forward
         self._targets = op_graph.copy_targets
+        self._context = context
 
     def replay(self) -> None:
+        if self._context is None:
+            self._replay()
+        else:
+            self._context.run(self._replay)
+
+    def _replay(self) -> None:
         # The recorded ops ran below autograd and view tracking; replaying them there too is
         # faithful and skips two dispatch layers per op (about 12% of a small model's replay).
         with torch._C._AutoDispatchBelowADInplaceOrView():
@@ -53,4 +63,4 @@ class EmulatedBackend:
     def capture(self, fn: Callable[[], Any]) -> EmulatedGraph:
         with OpRecorder() as recorder:
             outputs = fn()
-        return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs)
+        return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs, recorder.context)

@@ -1,7 +1,10 @@
 """Record one call of a step as a graph of aten ops, and build a replayable module from it.
 
 Recording runs the step once under a ``TorchDispatchMode``: every aten op is executed and
-kept with its arguments and the model source line that issued it. Tensors no recorded op
+kept with its arguments and the model source line that issued it. The recorder is invisible
+to the model: no torch-function mode is active (``has_torch_function`` stays False, so code
+with a fast path takes it as under a CUDA capture); host reads that never reach the
+dispatcher on CPU (``tolist``, ``numpy``) are caught by patching those two tensor methods. Tensors no recorded op
 produced (static inputs, parameters, KV caches) are *external*: the graph keeps the very
 tensor objects and reads their current contents on every replay, as a CUDA graph keeps
 their addresses. Python scalars and branches are frozen into the graph. Ops that need the
@@ -11,9 +14,9 @@ host to read device memory (``.item()``, ``nonzero``, boolean-mask indexing, ...
 
 from __future__ import annotations
 
+import contextvars
 import operator
-import os
-import sys
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -21,16 +24,14 @@ from unittest import mock
 
 import torch
 import torch.fx
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from graphrt.backends.source_lines import SourceLine, model_source_line, torch_source_line
 from graphrt.backends.state_journal import storage_key
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_GRAPHRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_MODEL_DIRS = (os.path.join(_GRAPHRT_DIR, "reference") + os.sep,)  # graphrt code that is "the model"
-_HOST_READ_METHODS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
+# Tensor methods that read values on the host without an aten op on CPU (``np.asarray`` calls numpy).
+_HOST_READ_METHODS = ("tolist", "numpy")
 # Values FX code can hold as literals; any other non-tensor argument becomes a module attribute.
 _FX_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _aten = torch.ops.aten
@@ -38,18 +39,6 @@ _aten = torch.ops.aten
 
 class HostSyncError(RuntimeError):
     """The captured step reads device memory on the host: a CUDA graph cannot capture it."""
-
-
-@dataclass(frozen=True)
-class SourceLine:
-    """Where in the model's code an op was issued."""
-
-    filename: str
-    lineno: int
-    function: str
-
-    def __str__(self) -> str:
-        return f"{self.filename}:{self.lineno} in {self.function}"
 
 
 @dataclass
@@ -63,22 +52,13 @@ class RecordedOp:
     source: Optional[SourceLine]
 
 
-def is_model_file(filename: str) -> bool:
-    """True for the model's code: not torch, not graphrt's runtime, not ``<string>`` and the like."""
-    inside_runtime = filename.startswith(_TORCH_DIR) or (
-        filename.startswith(_GRAPHRT_DIR) and not filename.startswith(_MODEL_DIRS)
-    )
-    return not inside_runtime and not filename.startswith("<")
-
-
-def model_source_line() -> Optional[SourceLine]:
-    """The innermost frame outside torch and graphrt's runtime: the model line being executed."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if is_model_file(frame.f_code.co_filename):
-            return SourceLine(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-        frame = frame.f_back
-    return None
+# Ops that read tensor values on the host but carry no tag saying so.
+_HOST_READING_OPS = {
+    _aten._nested_tensor_from_mask.default: "a nested tensor's sizes are read from the mask's values",
+    _aten._nested_tensor_from_mask_left_aligned.default: "it reads the mask's values to check its alignment",
+    _aten.equal.default: "it returns a Python bool read from both tensors' values",
+    _aten.is_nonzero.default: "it returns a Python bool read from the tensor's value",
+}
 
 
 def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[str]:
@@ -90,6 +70,8 @@ def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict
         return None
     if func is _aten.repeat_interleave.Tensor:
         return None if kwargs.get("output_size") is not None else "repeat_interleave without output_size"
+    if func in _HOST_READING_OPS:
+        return _HOST_READING_OPS[func]
     tags = func.tags
     if torch.Tag.data_dependent_output in tags:
         return "it returns a value read from device memory"
@@ -98,24 +80,11 @@ def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict
     return None
 
 
-class _HostReadGuard(TorchFunctionMode):
-    """Catches host reads that never reach the dispatcher on CPU (``tolist``, ``numpy``)."""
-
-    def __init__(self, on_host_sync: Callable[[str, str, Sequence[Any]], None]) -> None:
-        super().__init__()
-        self._on_host_sync = on_host_sync
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
-        name = _HOST_READ_METHODS.get(func)
-        if name is not None:
-            self._on_host_sync(name, "it copies tensor values to the host", args)
-        return func(*args, **(kwargs or {}))
-
-
-def _host_sync_message(op: str, why: str, source: Optional[SourceLine]) -> str:
+def _host_sync_message(op: str, why: str, source: Optional[SourceLine], torch_source: Optional[SourceLine]) -> str:
     where = f" at {source}" if source is not None else ""
+    inside = f" (in {torch_source})" if torch_source is not None else ""
     return (
-        f"host sync in the captured step: {op}{where}: {why}. A CUDA graph cannot capture it "
+        f"host sync in the captured step: {op}{inside}{where}: {why}. A CUDA graph cannot capture it "
         "('operation not permitted when stream is capturing'); keep the step's values on the device"
     )
 
@@ -124,17 +93,32 @@ def _capturing() -> bool:
     return True
 
 
+def _makes_nested(args: Sequence[Any], output: Any) -> bool:
+    """A nested tensor made from dense ones: its sizes were read from tensor values."""
+    return (isinstance(output, torch.Tensor) and output.is_nested
+            and not any(isinstance(arg, torch.Tensor) and arg.is_nested for arg in args))
+
+
 class OpRecorder(TorchDispatchMode):
-    """Executes and records every aten op of the block; raises HostSyncError on host reads."""
+    """Executes and records every aten op of the block; raises HostSyncError on host reads.
+
+    Only dispatcher-level hooks are used (this mode, and ``tolist``/``numpy`` patched for the
+    recording thread), so the model sees what it sees under a CUDA capture: no torch-function
+    mode, ``torch.cuda.is_current_stream_capturing()`` True.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: List[RecordedOp] = []
-        self._host_guard = _HostReadGuard(self.on_host_sync)
+        # The context variables the step ran with (taken at its first op): a replay that re-runs
+        # Python (a custom op's) sees them as they were, as a CUDA graph keeps its capture's host values.
+        self.context: Optional[contextvars.Context] = None
+        self._thread = threading.get_ident()
 
     def __enter__(self) -> "OpRecorder":
         with ExitStack() as stack:
-            stack.enter_context(self._host_guard)
+            for name in _HOST_READ_METHODS:
+                stack.enter_context(mock.patch.object(torch.Tensor, name, self._guarded_method(name)))
             # Code with a capture-safe path (transformers' is_tracing, for one) takes it, as on CUDA.
             stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", _capturing))
             super().__enter__()
@@ -147,19 +131,34 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self._exit_stack.__exit__(*exc_info)
 
+    def _guarded_method(self, name: str) -> Callable[..., Any]:
+        """``Tensor.<name>`` that reports a host read when called on the recording thread."""
+        method = getattr(torch.Tensor, name)
+
+        def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == self._thread:
+                self.on_host_sync(f"Tensor.{name}", "it copies tensor values to the host", (tensor,))
+            return method(tensor, *args, **kwargs)
+
+        return guarded
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
+        if self.context is None:
+            self.context = contextvars.copy_context()
         why = host_sync_reason(func, args, kwargs)
         if why is not None:
             self.on_host_sync(str(func), why, args)
         output = func(*args, **kwargs)
+        if _makes_nested(args, output):
+            self.on_host_sync(str(func), "a nested tensor's sizes are read from tensor values", args)
         self.ops.append(RecordedOp(func, args, kwargs, output, model_source_line()))
         return output
 
     def on_host_sync(self, op: str, why: str, args: Sequence[Any]) -> None:
         """A host read of device memory: raise HostSyncError, as a CUDA capture fails on it.
         ``graphrt.check`` overrides this to note every host read of a step and go on."""
-        raise HostSyncError(_host_sync_message(op, why, model_source_line()))
+        raise HostSyncError(_host_sync_message(op, why, model_source_line(), torch_source_line()))
 
 
 @dataclass

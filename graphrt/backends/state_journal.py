@@ -13,11 +13,14 @@ before. Writes into memory the block allocated itself need no undo and are not s
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from graphrt.backends.source_lines import SourceLine, model_source_line
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,8 @@ INDEX_PUT_WRITERS = frozenset({"index_put_", "_index_put_impl_"})
 INDEX_DIM_WRITERS = frozenset({"index_copy_", "index_fill_", "index_add_", "index_reduce_"})
 SCATTER_WRITERS = frozenset({"scatter_", "scatter_add_", "scatter_reduce_"})
 
-Undo = Tuple[Callable[..., Any], Tuple[Any, ...]]
+# A region's reader, its writer, and the arguments that locate it (the target first).
+Locator = Tuple[Callable[..., Any], Callable[..., Any], Tuple[Any, ...]]
 
 
 def op_base_name(func: Any) -> str:
@@ -71,23 +75,49 @@ def allocated_storages(
             yield storage_key(result)
 
 
-def _index_put_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
+@dataclass
+class WrittenRegion:
+    """Memory that existed before the block and that one op wrote: how to read it back, what
+    it held before, and who wrote it (op and model line, to name it when it differs)."""
+
+    op: str
+    source: Optional[SourceLine]
+    read: Callable[..., torch.Tensor]  # an aten reader of the region: read(*where)
+    write: Callable[..., Any]  # the aten writer that puts values back: write(*where, values)
+    where: Tuple[Any, ...]  # the target tensor first, then what locates the region in it
+    saved: torch.Tensor
+
+    @property
+    def target(self) -> torch.Tensor:
+        return self.where[0]
+
+    def current(self) -> torch.Tensor:
+        """The region's contents now (a fresh tensor)."""
+        return self.read(*self.where)
+
+    def put_back(self) -> None:
+        self.write(*self.where, self.saved)
+
+
+def _index_put_region(target: torch.Tensor, args: Sequence[Any]) -> Locator:
     indices = [None if index is None else index.clone() for index in args[1]]
-    return _aten.index_put_.default, (target, indices, _aten.index.Tensor(target, indices))
+    return _aten.index.Tensor, _aten.index_put_.default, (target, indices)
 
 
-def _index_dim_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
-    dim, index = args[1], args[2].clone()
-    return _aten.index_copy_.default, (target, dim, index, _aten.index_select.default(target, dim, index))
+def _index_dim_region(target: torch.Tensor, args: Sequence[Any]) -> Locator:
+    return _aten.index_select.default, _aten.index_copy_.default, (target, args[1], args[2].clone())
 
 
-def _scatter_region(target: torch.Tensor, args: Sequence[Any]) -> Undo:
-    dim, index = args[1], args[2].clone()
-    return _aten.scatter_.src, (target, dim, index, _aten.gather.default(target, dim, index))
+def _scatter_region(target: torch.Tensor, args: Sequence[Any]) -> Locator:
+    return _aten.gather.default, _aten.scatter_.src, (target, args[1], args[2].clone())
+
+
+def _whole_region(target: torch.Tensor, args: Sequence[Any]) -> Locator:
+    return _aten.clone.default, _aten.copy_.default, (target,)
 
 
 # Save only the rows an indexed writer touches, not the whole tensor.
-_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Sequence[Any]], Undo]] = {
+_REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Sequence[Any]], Locator]] = {
     **dict.fromkeys(INDEX_PUT_WRITERS, _index_put_region),
     **dict.fromkeys(INDEX_DIM_WRITERS, _index_dim_region),
     **dict.fromkeys(SCATTER_WRITERS, _scatter_region),
@@ -95,12 +125,13 @@ _REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Sequence[Any]], Undo]] = {
 
 
 class StateJournal(TorchDispatchMode):
-    """Use as ``with journal: ...`` then ``journal.restore()``; ``saved_bytes`` is its extra memory."""
+    """Use as ``with journal: ...`` then ``journal.restore()``; ``saved_bytes`` is its extra memory.
+    ``regions`` lists what was written, oldest first (capture's verify step reads them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.saved_bytes = 0
-        self._undo: List[Undo] = []
+        self.regions: List[WrittenRegion] = []
         self._fresh: Set[Tuple[torch.device, int]] = set()  # storages allocated inside the block
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
@@ -114,20 +145,21 @@ class StateJournal(TorchDispatchMode):
 
     def _save(self, func: Any, position: int, target: torch.Tensor, args: Sequence[Any]) -> None:
         saver = _REGION_SAVERS.get(op_base_name(func)) if position == 0 else None
-        if saver is not None:
-            undo = saver(target, args)
-        else:
-            undo = _aten.copy_.default, (target, target.clone())
-        saved = undo[1][-1]
+        read, write, where = (saver or _whole_region)(target, args)
+        saved = read(*where)
         self.saved_bytes += saved.numel() * saved.element_size()
-        self._undo.append(undo)
+        self.regions.append(WrittenRegion(str(func), model_source_line(), read, write, where, saved))
+
+    def put_back(self) -> None:
+        """Put back every saved region, newest first; they stay saved (it can be done again)."""
+        with torch.no_grad():
+            for region in reversed(self.regions):
+                region.put_back()
 
     def restore(self) -> None:
         """Put back every saved region, newest first, and forget them."""
-        with torch.no_grad():
-            while self._undo:
-                func, args = self._undo.pop()
-                func(*args)
+        self.put_back()
         if self.saved_bytes:
             logger.debug("capture undid %d bytes of in-place writes", self.saved_bytes)
+        self.regions.clear()
         self._fresh.clear()

@@ -19,6 +19,7 @@ from graphrt.check.callables import check_callable
 from graphrt.check.hazards import HAZARDS, Hazard, Severity
 from graphrt.check.inputs import Arguments
 from graphrt.check.report import ArgumentInfo, CheckReport, Finding, StateWrite
+from graphrt.check.runner_check import RunnerLike, check_runner
 from graphrt.graphed_callable import GraphedCallable
 
 
@@ -32,9 +33,7 @@ def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequenc
     compare op graphs with (default: the example with every input tensor's values rolled by
     one). The model's tensors, Python bindings and random generators are left as they were.
     """
-    from graphrt.runner import GraphRunner  # graphrt.runner imports this package
-
-    if isinstance(fn, GraphRunner):
+    if isinstance(fn, RunnerLike):
         if variants is not None or example_kwargs:
             raise TypeError("check(runner, *examples): a GraphRunner takes example ForwardBatches only")
         return fn.check(*example_args)
@@ -43,4 +42,4 @@ def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequenc
     return check_callable(fn, example_args, example_kwargs, variants)
 
 
-__all__ = ["HAZARDS", "ArgumentInfo", "CheckReport", "Finding", "Hazard", "Severity", "StateWrite", "check"]
+__all__ = ["HAZARDS", "ArgumentInfo", "CheckReport", "Finding", "Hazard", "Severity", "StateWrite", "check", "check_runner"]

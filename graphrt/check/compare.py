@@ -40,7 +40,8 @@ class _Signatures:
     def _token(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             origin = self._producers.get(id(value)) or self._inputs.get(id(value)) or self._graph.name_of(value)
-            return "tensor", value.dtype, tuple(value.shape), origin
+            shape = "nested" if value.is_nested else tuple(value.shape)  # a nested tensor has no single shape
+            return "tensor", value.dtype, shape, origin
         if isinstance(value, (list, tuple)):
             return tuple(self._token(item) for item in value)
         if isinstance(value, dict):

@@ -70,6 +70,8 @@ def host_read_findings(recording: Recording, name: Namer, device: torch.device) 
         source = source_text(read.source)
         op = read.op.removesuffix(".default")
         what = _HOST_READ_NAMES.get(op, op)
+        if read.torch_source is not None:
+            what += f" (in {source_text(read.torch_source)})"
         if device.type == "cuda" and read.tensor is not None and read.tensor.device.type == "cpu":
             message = f"reads the values of a CPU tensor ({what}); a graph keeps the values it had at capture"
             findings.append(Finding("cpu_tensor", message, op, tensor, source))

@@ -12,7 +12,7 @@ import sys
 from types import FrameType
 from typing import Any, Callable, Dict, List, Optional
 
-from graphrt.backends.op_graph import SourceLine, is_model_file
+from graphrt.backends.source_lines import SourceLine, is_model_file
 from graphrt.check.names import ObjectGraph, Rebinding
 from graphrt.check.recording import Step, preserved_state, source_text
 

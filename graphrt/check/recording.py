@@ -19,13 +19,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphrt.backends.op_graph import (
-    OpRecorder,
-    RecordedOp,
-    SourceLine,
-    is_model_file,
-    model_source_line,
-)
+from graphrt.backends.op_graph import OpRecorder, RecordedOp
+from graphrt.backends.source_lines import SourceLine, is_model_file, model_source_line, torch_source_line
 from graphrt.backends.state_journal import StateJournal
 from graphrt.check.names import ObjectGraph, Rebinding, Snapshot
 
@@ -44,6 +39,7 @@ class HostRead:
     source: Optional[SourceLine]
     tensor: Optional[torch.Tensor]
     position: int  # how many ops ran before it
+    torch_source: Optional[SourceLine] = None  # torch's own line, when torch's code issued the read
 
 
 class ScanRecorder(OpRecorder):
@@ -57,7 +53,7 @@ class ScanRecorder(OpRecorder):
         tensors = tensor_leaves(list(args))
         masks = [tensor for tensor in tensors if tensor.dtype in (torch.bool, torch.uint8)]
         read = (masks or tensors or [None])[0]
-        self.host_reads.append(HostRead(op, why, model_source_line(), read, len(self.ops)))
+        self.host_reads.append(HostRead(op, why, model_source_line(), read, len(self.ops), torch_source_line()))
 
 
 @dataclass

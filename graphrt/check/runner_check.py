@@ -11,7 +11,7 @@ computes), a rolled variant of it (value-dependent branches) and the unpadded ea
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -24,19 +24,34 @@ from graphrt.check.session import CheckSession
 from graphrt.check.splits import piece_refusal, split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
-from graphrt.registry import EagerReason, GraphEntry, GraphKey, recorded_step
+from graphrt.registry import EagerReason, GraphEntry, GraphKey, GraphRegistry, recorded_step
 
-if TYPE_CHECKING:
-    from graphrt.runner import GraphRunner
+
+
+@runtime_checkable
+class RunnerLike(Protocol):
+    """What the check reads of a GraphRunner (its public names), so this package needs no import of it."""
+
+    model: Callable[..., Any]
+    registry: GraphRegistry
+    dispatcher: Any
+    context: Mapping[str, Any]
+    pad_values: Mapping[str, int]
+    device: torch.device
+    debug: bool
+    piecewise: Any  # PiecewiseGraphs, or None without splitting ops
+
+    def prepare_capture(self) -> Callable[[GraphEntry], None]: ...
+
 
 # Keys whose entries exist but are not replayable yet: the example still pads to them.
 _KEY_KNOWN = (None, EagerReason.NOT_CAPTURED, EagerReason.CAPTURE_FAILED, EagerReason.DISABLED)
 
 
-def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
+def check_runner(runner: RunnerLike, examples: Sequence[ForwardBatch] = (),
                  keys: Optional[Sequence[GraphKey]] = None) -> CheckReport:
     """The check of ``runner``'s model (see GraphRunner.check); the runner's lock must be held."""
-    before_capture = runner._prepare_capture()  # graph state first: it outlives the check
+    before_capture = runner.prepare_capture()  # graph state first: it outlives the check
     entries = _entries(runner, keys)
     roots = ([("forward_batch", entries[0].static_inputs)] if entries else []) + callable_roots(runner.model) + [
         ("batch_context", runner.context)]
@@ -57,23 +72,23 @@ def check_runner(runner: "GraphRunner", examples: Sequence[ForwardBatch] = (),
     return session.finish()
 
 
-def _check_splits(session: CheckSession, runner: "GraphRunner") -> None:
+def _check_splits(session: CheckSession, runner: RunnerLike) -> None:
     """Record the step on the smallest piecewise key's dummy batch and list where it splits."""
-    entries = runner.piecewise.registry.entries
-    entry = entries[min(entries, key=lambda key: key.num_tokens)]
+    registry = runner.piecewise.registry
+    entry = registry.entries[min(registry.entries, key=lambda key: key.num_tokens)]
     step = Step(f"dummy batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs))
     if not _warm_up(session, step):
         return
     recording = session.record(step)
     if session.analyze(recording, with_state=False):
-        session.report.splits, session.report.pieces = split_sites(recording, runner.config.splitting_ops)
-        backend = runner.piecewise.registry.backend
+        backend = registry.backend
+        session.report.splits, session.report.pieces = split_sites(recording, backend.splitting)
         refusal = piece_refusal(step.fn, backend.splitting, backend.request_fields)
         if refusal is not None:
             session.add_error(f"{step.label} (piecewise capture)", refusal, raising_line(refusal))
 
 
-def _entries(runner: "GraphRunner", keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:
+def _entries(runner: RunnerLike, keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:
     """The requested keys' entries, else the largest and smallest key of each mode (largest first)."""
     registry = runner.registry
     if keys is not None:
@@ -105,7 +120,7 @@ def _warm_up(session: CheckSession, step: Step) -> bool:
     return True
 
 
-def _check_example(session: CheckSession, runner: "GraphRunner", index: int, example: ForwardBatch) -> None:
+def _check_example(session: CheckSession, runner: RunnerLike, index: int, example: ForwardBatch) -> None:
     """Record one real batch padded to its key, a rolled variant, and its unpadded run."""
     example.validate(runner.device, runner.debug)
     decision = runner.dispatcher.decide(example)
@@ -130,7 +145,7 @@ def _check_example(session: CheckSession, runner: "GraphRunner", index: int, exa
     session.compare_padding(real, recording, rows)
 
 
-def _eager_step(runner: "GraphRunner", label: str, batch: ForwardBatch) -> Step:
+def _eager_step(runner: RunnerLike, label: str, batch: ForwardBatch) -> Step:
     """The model on ``batch``; the eager attention metadata is built before the recording starts."""
     init_metadata: Any = getattr(batch.attn_backend, "init_forward_metadata", None)
     prepare = (lambda: init_metadata(batch)) if init_metadata is not None else None

@@ -1,9 +1,10 @@
 """PiecewiseBackend: a graph backend whose capture records the step in pieces split at the splitting ops.
 
 It wraps the runner's backend (cuda or emulated) and goes through the same capture sequence as
-whole graphs (``backends/capture.py``: warm-up, capture, every write undone), so whatever that
-sequence does for a whole graph it does for a piecewise one. Its ``capture`` runs the step under
-``SplitWatcher``, builds a ``PiecewiseGraph`` and verifies its first replay against eager.
+whole graphs (``backends/capture.py``: warm-up, capture, every write undone; the registry then
+verifies the first replay against eager), so whatever that sequence does for a whole graph it
+does for a piecewise one. Its ``capture`` runs the step under ``SplitWatcher`` and builds a
+``PiecewiseGraph``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple
 import torch
 
 from graphrt.backends.base import CapturedGraph, GraphBackend
-from graphrt.backends.state_journal import StateJournal
 from graphrt.batch import ForwardBatch
 from graphrt.forward_context import current_batch, use_batch
 from graphrt.piecewise.ops import SplittingOps
 from graphrt.piecewise.sinks import piece_sink
-from graphrt.piecewise.split import PiecewiseCaptureError, SplitCall, SplitWatcher
+from graphrt.piecewise.split import SplitCall, SplitWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class PiecewiseGraph:
     def replay(self) -> None:
         """Piece, splitting op (eager, on its static inputs), piece, ..., piece. The splitting ops
         read the step's live request metadata from ``graphrt.current_batch()``, set by the caller;
-        outside any step (a capture-time check) they read the batch the step was recorded on."""
+        outside any step (the registry's first-replay check) they read the batch the step was
+        recorded on."""
         if current_batch() is None:
             with use_batch(self.capture_batch):
                 self._replay()
@@ -83,40 +84,8 @@ class PiecewiseBackend:
         watcher.check_all_called()
         graph = PiecewiseGraph(sink.pieces(watcher.calls, outputs), watcher.calls, outputs, watcher.batch)
         graph.pool_bytes = _pool_bytes(self.backend, reserved, graph)
-        verify_first_replay(fn, graph)
         logger.debug("captured %d pieces around %d splitting-op calls", graph.piece_count, len(watcher.calls))
         return graph
-
-
-def verify_first_replay(fn: Callable[[], Any], graph: PiecewiseGraph) -> None:
-    """Compare the first replay with the step run eagerly on the same static inputs (both runs
-    undone); a mismatch fails the capture naming the output and the difference.
-
-    On CUDA a replay's kernels are invisible to the journal: only its splitting ops are undone,
-    and pieces write only what capture's own runs wrote (pad rows of the scratch slot, say).
-    """
-    journal = StateJournal()
-    try:
-        with journal:
-            expected = [_owned(leaf) for leaf in fn()]
-    finally:
-        journal.restore()
-    try:
-        with journal:
-            graph.replay()
-            actual = [_owned(leaf) for leaf in graph.outputs]
-    finally:
-        journal.restore()
-    for index, (got, want) in enumerate(zip(actual, expected)):
-        if isinstance(want, torch.Tensor):
-            try:
-                torch.testing.assert_close(got, want)
-            except AssertionError as error:
-                raise PiecewiseCaptureError(f"output[{index}]: first replay differs from eager: {error}") from None
-
-
-def _owned(leaf: Any) -> Any:
-    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _reserved(backend: GraphBackend) -> Optional[int]:

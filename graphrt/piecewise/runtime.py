@@ -55,6 +55,7 @@ class PiecewiseGraphs:
         context: Mapping[str, Any],
         stats: RuntimeStats,
         warmup_iters: int = 2,
+        verify: bool = True,
         copy_outputs: bool = False,
         debug: bool = False,
     ) -> None:
@@ -64,7 +65,7 @@ class PiecewiseGraphs:
         self._context = context
         request_fields = {storage_key(slot.tensor): name for name, slot in buffers.slots.items()
                           if slot.axis is RowAxis.REQUESTS}
-        self.registry = GraphRegistry(PiecewiseBackend(backend, splitting, request_fields), warmup_iters)
+        self.registry = GraphRegistry(PiecewiseBackend(backend, splitting, request_fields), warmup_iters, verify)
         self.registry.add_grid(ForwardMode.EXTEND, SizeGrid.for_extend(sizes, [DUMMY_REQUESTS]), self._make_entry)
         self.registry.entries = {entry.key: entry for entry in self.registry.entries.values()}  # PiecewiseKey names
         self.outputs = OutputCutter(self.registry, copy_outputs, debug)

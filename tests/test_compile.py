@@ -1,0 +1,68 @@
+"""torch.compile inside graphrt: a compiled model gives eager's numbers on every call, its state
+advances once per call, and its graphs replay; one compiled with CUDA graphs of its own is refused.
+
+On CPU the recording sees the step's eager ops (torch.compile steps aside while a dispatch mode
+is active) and verification compares the replay with the compiled step; the compiled kernels
+round differently from eager by a few ulps, hence allclose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphrt
+from tests.conftest import ToyPagedModel, decode_batch
+
+
+class Stepper(torch.nn.Module):
+    """An MLP with a step counter (state that must advance once per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(16, 16)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return torch.nn.functional.gelu(self.linear(x)) * 2 + self.steps
+
+
+def test_wrap_of_an_inductor_compiled_module_equals_eager_and_replays():
+    model = Stepper().eval()
+    fast = graphrt.wrap(torch.compile(model, mode="max-autotune-no-cudagraphs"), max_batch_size=8, backend="emulated")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for call in range(1, 5):
+            x = torch.randn(3, 16, generator=generator)
+            out = fast(x)
+            assert int(model.steps) == call
+            expected = torch.nn.functional.gelu(model.linear(x)) * 2 + model.steps
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    stats = fast.stats()
+    assert stats["graph_runs"] == 3 and stats["eager_reasons"] == {"warmup": 1}
+
+
+def test_runner_of_a_compiled_model_equals_eager_and_replays():
+    """``backend="aot_eager"``: torch.compile's tracing without inductor's C++ build (seconds, not tens)."""
+    model = ToyPagedModel()
+    runner = graphrt.GraphRunner(torch.compile(model, backend="aot_eager"), max_batch_size=8, capture_sizes=[4, 8],
+                                 backend="emulated", progress=False)
+    report = runner.capture()
+    assert not report.failed
+    for seed in range(3):
+        batch = decode_batch(3, seed=seed)
+        with torch.no_grad():
+            expected = model(batch.input_ids, batch.positions, batch)
+        torch.testing.assert_close(runner(batch), expected)
+    assert runner.stats()["graph_runs"] == 3
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compiled_with_its_own_cuda_graphs_is_refused_naming_the_pairing(mode):
+    model = Stepper()
+    with pytest.raises(ValueError, match="fn: compiled with CUDA graphs of its own.*max-autotune-no-cudagraphs"):
+        graphrt.wrap(torch.compile(model, mode=mode), max_batch_size=8)
+    with pytest.raises(ValueError, match="model: compiled with CUDA graphs"):
+        graphrt.GraphRunner(torch.compile(model.forward, mode=mode), max_batch_size=8)

@@ -1,0 +1,49 @@
+"""graphrt's imports point one way: no module imports, even lazily inside a function, a module
+that imports it back (docs/ARCHITECTURE.md: the core never imports a feature's internals)."""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "graphrt"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    """Module -> the graphrt modules it imports anywhere in its code (``from pkg import mod`` counts as mod)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graphrt":
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    targets.add(submodule if submodule in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names if alias.name in modules)
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_no_import_cycles():
+    try:
+        tuple(TopologicalSorter(import_graph()).static_order())
+    except CycleError as error:
+        raise AssertionError(f"import cycle: {' -> '.join(error.args[1])}") from None
+
+
+def test_the_check_detects_a_cycle():
+    graph = import_graph()
+    graph["graphrt.staging"] = graph["graphrt.staging"] | {"graphrt.pools.buffers"}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError:
+        return
+    raise AssertionError("staging <-> pools.buffers should be a cycle")

@@ -1,0 +1,151 @@
+"""Capture verifies each graph: its first replay is compared with eager on the same inputs.
+
+A graph that computes something else than eager (random ops, a path that differs under capture,
+memory written outside the dispatcher) never serves a call: the key runs eagerly with reason
+``verify_failed`` and ``failed_keys`` names the output or state tensor that differed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from graphrt import GraphRunner, wrap
+from graphrt.registry import GraphStatus
+from tests.conftest import ToyPagedModel, decode_batch
+
+
+def capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()``; a CPU build of torch raises outside a capture."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+class PathUnderCapture(torch.nn.Module):
+    """Takes another path while a CUDA stream captures (a model with a capture-only branch)."""
+
+    def __init__(self, write_state: bool) -> None:
+        super().__init__()
+        self.write_state = write_state
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        under_capture = capturing()
+        if self.write_state:
+            self.seen.copy_(torch.full((4,), 2.0 if under_capture else 1.0))  # state differs, output does not
+            return x * 2
+        return x * (3 if under_capture else 2)
+
+
+def test_output_that_differs_from_eager_disables_the_key_and_names_the_output():
+    model = PathUnderCapture(write_state=False)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    x = torch.arange(8.0).reshape(4, 2)
+    outputs = [fast(x) for _ in range(3)]
+    for out in outputs:
+        assert torch.equal(out, x * 2)  # every call has eager's numbers
+    stats = fast.stats()
+    assert stats["graph_runs"] == 0 and stats["eager_reasons"] == {"warmup": 1, "verify_failed": 2}
+    reason = stats["failed_keys"]["decode/bs=4"]
+    assert reason.startswith("VerifyError: output leaf 0 differs from eager")
+    assert "Greatest absolute difference" in reason
+
+
+def test_state_write_that_differs_from_eager_is_named_with_its_op_and_line():
+    model = PathUnderCapture(write_state=True)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    x = torch.ones(4, 2)
+    fast(x)
+    fast(x)
+    reason = fast.stats()["failed_keys"]["decode/bs=4"]
+    assert "state written by aten.copy_.default" in reason
+    assert "test_verify.py" in reason and "tensor [4] float32" in reason
+    assert torch.equal(model.seen, torch.ones(4))  # the eager second call's write, as eager leaves it
+
+
+def test_dropout_in_training_mode_fails_verification_and_runs_eagerly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    runner_fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    with torch.no_grad():
+        for _ in range(3):
+            runner_fast(torch.randn(4, 8))
+    stats = runner_fast.stats()
+    assert stats["graph_runs"] == 0 and stats["eager_reasons"]["verify_failed"] == 2
+
+
+def test_kernel_outside_the_dispatcher_is_caught():
+    """A raw memory write (as a C extension's kernel does) is no aten op: no recording sees
+    it, the replay would leave its output zero, so verification must refuse the graph."""
+
+    def step(x):
+        out = torch.zeros_like(x)
+        ctypes.memmove(out.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+        return out * 2
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    x = torch.arange(1.0, 9.0).reshape(4, 2)
+    for _ in range(3):
+        assert torch.equal(fast(x), x * 2)
+    assert fast.stats()["eager_reasons"] == {"warmup": 1, "verify_failed": 2}
+
+
+def test_verify_false_skips_the_comparison_and_a_wrong_graph_serves():
+    model = PathUnderCapture(write_state=False)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated", verify=False)
+    x = torch.ones(4, 2)
+    fast(x)
+    assert torch.equal(fast(x), x * 3)  # the graph recorded the capture-only path: what CUDA would replay
+    assert fast.stats()["graph_runs"] == 1
+
+
+def test_runner_capture_verifies_each_key_and_reports_its_cost(toy_runner_factory):
+    runner = toy_runner_factory()
+    report = runner.capture()
+    assert report.ok and not report.failed
+    assert all(key.verify_seconds > 0 for key in report.keys)
+    assert "verify s" in str(report)
+    unverified = toy_runner_factory(verify=False).capture()
+    assert all(key.verify_seconds == 0 for key in unverified.keys)
+
+
+def test_runner_key_whose_replay_differs_is_verify_failed_and_counted():
+    class CaptureBranch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4096, 8)
+
+        def forward(self, input_ids, positions, forward_batch):
+            hidden = self.embed(input_ids)
+            return hidden * 2 if capturing() else hidden
+
+    model = CaptureBranch()
+    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[2, 4], backend="emulated", progress=False)
+    report = runner.capture()
+    assert not report.ok and set(map(str, report.failed)) == {"decode/bs=2", "decode/bs=4"}
+    assert all(entry.status is GraphStatus.VERIFY_FAILED for entry in runner.registry.entries.values())
+    batch = decode_batch(3, seed=0)
+    out = runner(batch)
+    assert torch.equal(out, model.embed(batch.input_ids))
+    assert runner.stats()["eager_reasons"] == {"verify_failed": 1}
+
+
+@pytest.fixture
+def toy_runner_factory():
+    def make(**options):
+        return GraphRunner(ToyPagedModel(), max_batch_size=8, capture_sizes=[2, 8], backend="emulated",
+                           progress=False, **options)
+
+    return make
+
+
+def test_up_front_wrap_capture_verifies_and_leaves_state_as_it_was():
+    model = PathUnderCapture(write_state=True)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[2, 4], backend="emulated")
+    report = fast.capture(torch.ones(4, 2))
+    assert not report.ok and all("VerifyError: state written by" in reason for reason in report.failed.values())
+    assert torch.equal(model.seen, torch.zeros(4))  # recording, eager run and replay all undone
