@@ -74,7 +74,7 @@ class PiecewiseBackend:
         return self.backend.warmup_context()
 
     def capture(self, fn: Callable[[], Any]) -> PiecewiseGraph:
-        """Run ``fn`` once under the watcher into the backend's piece sink, then verify the result."""
+        """Run ``fn`` once under the watcher into the backend's piece sink; the pieces and calls make the graph."""
         sink = piece_sink(self.backend)
         watcher = SplitWatcher(self.splitting, self.request_fields, sink)
         reserved = _reserved(self.backend)
