@@ -106,6 +106,9 @@ def test_a_splitting_op_may_read_host_values_but_a_full_graph_may_not():
     assert torch.equal(runner(batch), (SplitToy(host_lengths).embed[batch.input_ids] + batch.positions[:, None])
                        * float(batch.seq_lens.sum()) * 3)
     assert runner.stats()["piecewise_runs"] == 1
+    # graphrt.check agrees: the read fails the two full decode keys it records, not the piecewise step.
+    [finding] = runner.check().of_kind("host_sync")
+    assert finding.count == 2 and finding.op == "Tensor.tolist"
 
 
 def test_a_splitting_op_the_step_never_calls_is_named():

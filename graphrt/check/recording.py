@@ -105,9 +105,10 @@ def preserved_random_state() -> Iterator[None]:
             random.setstate(python_state)
 
 
-def record(step: Step, graph: ObjectGraph) -> Recording:
-    """Run ``step`` once under a ScanRecorder; every effect on the model is undone on return."""
-    recorder = ScanRecorder()
+def record(step: Step, graph: ObjectGraph, recorder: Optional[ScanRecorder] = None) -> Recording:
+    """Run ``step`` once under ``recorder`` (a fresh ScanRecorder by default); every effect on the
+    model is undone on return."""
+    recorder = ScanRecorder() if recorder is None else recorder
     output, error, error_source = None, None, None
     with preserved_state(graph) as before:
         try:

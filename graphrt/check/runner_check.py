@@ -21,7 +21,7 @@ from graphrt.check.names import callable_roots
 from graphrt.check.recording import Step, preserved_random_state, preserved_state, raising_line
 from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
-from graphrt.check.splits import piece_refusal, split_sites
+from graphrt.check.splits import SplitScanRecorder, piece_refusal, split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.registry import EagerReason, GraphEntry, GraphKey, GraphRegistry, recorded_step
@@ -79,9 +79,9 @@ def _check_splits(session: CheckSession, runner: RunnerLike) -> None:
     step = Step(f"dummy batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs))
     if not _warm_up(session, step):
         return
-    recording = session.record(step)
+    backend = registry.backend
+    recording = session.record(step, SplitScanRecorder(backend.splitting))
     if session.analyze(recording, with_state=False):
-        backend = registry.backend
         session.report.splits, session.report.pieces = split_sites(recording, backend.splitting)
         refusal = piece_refusal(step.fn, backend.splitting, backend.request_fields)
         if refusal is not None:

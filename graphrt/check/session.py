@@ -25,7 +25,7 @@ from graphrt.check.findings import (
 )
 from graphrt.check.line_trace import rebinding_lines
 from graphrt.check.names import ObjectGraph
-from graphrt.check.recording import Recording, Step, record
+from graphrt.check.recording import Recording, ScanRecorder, Step, record
 from graphrt.check.report import CheckReport, Finding
 
 logger = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ class CheckSession:
         self.device = device
         self.report = CheckReport(target, str(device))
 
-    def record(self, step: Step) -> Recording:
-        recording = record(step, self.graph)
+    def record(self, step: Step, recorder: Optional[ScanRecorder] = None) -> Recording:
+        recording = record(step, self.graph, recorder)
         self.report.recordings += 1
         logger.debug("recorded %s: %d ops, %d host reads", step.label, len(recording.ops), len(recording.host_reads))
         return recording
