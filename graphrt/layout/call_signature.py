@@ -250,19 +250,33 @@ class CallSignature:
 
     def describe_mismatch(self, leaves: List[Any], structure: Any) -> str:
         """What in a call differs from this signature, naming the argument."""
+        path, why = self.first_difference(leaves, structure)
+        return f"{path}: {why}"
+
+    def first_difference(self, leaves: List[Any], structure: Any) -> Tuple[str, str]:
+        """The first argument path where a call differs from this signature, and how."""
         if structure != self.structure:
-            return (f"args: expected the captured argument structure (keywords {list(self.kw_names)}, "
-                    f"leaves {self.paths})")
+            return "args", (f"expected the captured argument structure (keywords {list(self.kw_names)}, "
+                            f"leaves {self.paths})")
         batch_size = leaves[self.batch_leaf].shape[0] if leaves[self.batch_leaf].dim() else 0
         expected = self._expected_shapes(batch_size)
         for path, value, leaf, shape in zip(self.paths, leaves, self.leaves, expected):
             if isinstance(leaf, Constant):
                 if not same_value(value, leaf.value):
-                    return f"{path}: expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
+                    return path, f"expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
             elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
                 got = f"shape {list(value.shape)} {value.dtype} on {value.device}"
-                return f"{path}: expected {leaf.describe()} with n = {batch_size}, got {got}"
-        return "args: the call fits the signature"
+                return path, f"expected {leaf.describe()} with n = {batch_size}, got {got}"
+        return "args", "the call fits the signature"
+
+    def family(self) -> Tuple[Any, ...]:
+        """What this layout shares with layouts that differ from it only in tensor sizes: structure,
+        keywords, constants, and per tensor its rank, dtype and device (hashable, for churn counts)."""
+        kinds = tuple(
+            _constant_key(leaf.value) if isinstance(leaf, Constant) else (len(leaf.shape), leaf.dtype, leaf.device)
+            for leaf in self.leaves
+        )
+        return self.structure, self.kw_names, kinds
 
     def layout(self) -> Dict[str, Any]:
         """Per argument leaf: its batch dim, "fixed", or "constant" (for stats)."""
@@ -282,6 +296,16 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[
     positional = tuple([flatten(value, leaves) for value in args])
     keywords = tuple([flatten(kwargs[name], leaves) for name in kw_names])
     return leaves, (positional, keywords)
+
+
+def _constant_key(value: Any) -> Any:
+    """A hashable stand-in for a constant leaf: plain values by value, objects by identity."""
+    if is_plain_constant(value):
+        try:
+            return type(value), hash(value), value
+        except TypeError:
+            return type(value), repr(value)
+    return "object", id(value)
 
 
 def _any_tentative(leaves: Sequence[Any]) -> bool:
