@@ -77,6 +77,7 @@ class GraphedCallable:
         max_signatures: int = MAX_SIGNATURES,
     ) -> None:
         self.fn = fn
+        self.__wrapped__ = fn  # inspect.signature(self) is fn's: generate() passes forward the kwargs it accepts
         self.max_batch_size = max_batch_size
         self.capture_sizes = (
             default_capture_sizes(max_batch_size) if capture_sizes is None
