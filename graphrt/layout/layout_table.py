@@ -176,9 +176,9 @@ class LayoutTable(Generic[Graphs]):
         if path not in self.churn:
             count = self._unrecorded[family]
             self.churn[path] = (
-                f"{count} argument layouts in a row, none called often enough to record a graph ({path}: {why}); "
-                "calls like this run eagerly (shape_mismatch). An argument whose shape changes every call "
-                "(a growing 2-D attention mask, a DynamicCache) cannot be graphed: give it a fixed shape "
-                "(Hugging Face: generate(..., cache_implementation='static'))"
+                f"calls keep bringing new argument layouts ({count} in a row, none called often enough to record "
+                f"a graph); the last one changed {path}: {why}. Calls like this run eagerly (shape_mismatch). An "
+                "argument whose shape changes on every call (a growing 2-D attention mask, a DynamicCache) cannot "
+                "be graphed: give it a fixed shape (Hugging Face: generate(..., cache_implementation='static'))"
             )
             logger.warning("wrap(): %s", self.churn[path])
