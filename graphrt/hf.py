@@ -58,7 +58,8 @@ def graph_generate(
     **options: Any,
 ) -> GraphedCallable:
     """Make ``model.generate()`` replay its decode steps: wrap ``model.forward``, default the
-    generation config to a static cache, and reuse that cache across ``generate()`` calls."""
+    generation config to a static cache (and to no auto-compile), and reuse that cache across
+    ``generate()`` calls."""
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
@@ -68,8 +69,11 @@ def graph_generate(
     fast = wrap(forward, max_batch_size, capture_sizes, backend, **options)
     model.forward = fast
     config = getattr(model, "generation_config", None)
-    if config is not None and getattr(config, "cache_implementation", None) is None:
-        config.cache_implementation = "static"
+    if config is not None:
+        if getattr(config, "cache_implementation", None) is None:
+            config.cache_implementation = "static"
+        # On a GPU, generate() would torch.compile the model call around the graphed forward.
+        config.disable_compile = True
     prepare = getattr(model, "_prepare_static_cache", None)
     if callable(prepare):
         model._prepare_static_cache = StaticCachePool(prepare)
