@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, List, Optional, Tuple, TypeVar
 
 from graphrt.layout.call_signature import CallSignature
 
@@ -40,12 +40,9 @@ class Layout(Generic[Graphs]):
     bucket: Hashable
 
 
-class Found(NamedTuple):
-    """A call's layout (None: it runs eagerly for layout churn), leaves and batch size."""
-
-    layout: Optional[Layout]
-    leaves: List[Any]
-    batch_size: int
+# A call's layout (None: its kind of layout keeps changing, it runs eagerly), leaves and batch size.
+# A plain tuple: built on every call.
+Found = Tuple[Optional[Layout], List[Any], int]
 
 
 class LayoutTable(Generic[Graphs]):
@@ -90,7 +87,7 @@ class LayoutTable(Generic[Graphs]):
             if matched:
                 if signature.tentative:
                     signature.confirm(leaves, structure)
-                return Found(current, leaves, batch_size)
+                return current, leaves, batch_size
         return self._find_other(args, kwargs)
 
     def _find_other(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Found:
@@ -102,20 +99,20 @@ class LayoutTable(Generic[Graphs]):
             if matched:
                 if layout.signature.tentative:
                     layout.signature.confirm(leaves, structure)
-                return Found(self._use(layout), leaves, batch_size)
+                return self._use(layout), leaves, batch_size
         for layout in reversed(bucket):
             leaves, structure = layout.signature.flatten(args, kwargs)
             refined = layout.signature.refine(leaves, structure)
             if refined is not None:
-                return Found(self._refine(layout, refined), leaves, refined.match(leaves, structure)[0])
+                return self._refine(layout, refined), leaves, refined.match(leaves, structure)[0]
         signature = CallSignature.first_call(args, kwargs, self.max_batch_size)
         leaves, structure = signature.flatten(args, kwargs)
         batch_size = signature.match(leaves, structure)[0]
         family = signature.family()
         if self._unrecorded.get(family, 0) >= self.churn_limit:
             self._explain_churn(family, leaves, structure)
-            return Found(None, leaves, batch_size)
-        return Found(self._open(signature, family, bucket_key), leaves, batch_size)
+            return None, leaves, batch_size
+        return self._open(signature, family, bucket_key), leaves, batch_size
 
     def _use(self, layout: Layout[Graphs]) -> Layout[Graphs]:
         self.layouts.move_to_end(layout.number)
