@@ -66,8 +66,7 @@ class LayoutTable(Generic[Graphs]):
         self.layouts: "OrderedDict[int, Layout[Graphs]]" = OrderedDict()  # least recently used first
         self._buckets: Dict[Hashable, List[Layout[Graphs]]] = {}
         self._current: Optional[Layout[Graphs]] = None
-        self._unrecorded: Dict[Hashable, int] = {}  # family -> layouts opened since one of it recorded
-        self._last_opened: Dict[Hashable, Layout[Graphs]] = {}
+        self._unrecorded: Dict[Hashable, int] = {}  # family (of a layout held) -> opened since one of it recorded
         self.opened = 0
         self.dropped = 0
         self.refined = 0
@@ -140,7 +139,6 @@ class LayoutTable(Generic[Graphs]):
         self.layouts[layout.number] = layout
         self._buckets.setdefault(bucket_key, []).append(layout)
         self._unrecorded[family] = self._unrecorded.get(family, 0) + 1
-        self._last_opened[family] = layout
         self._current = layout
         return layout
 
@@ -153,8 +151,8 @@ class LayoutTable(Generic[Graphs]):
         bucket.remove(layout)
         if not bucket:
             del self._buckets[layout.bucket]
-        if self._last_opened.get(layout.family) is layout:
-            del self._last_opened[layout.family]
+        if not any(held.family == layout.family for held in self.layouts.values()):
+            del self._unrecorded[layout.family]  # a family with no layout held starts afresh
         if self._current is layout:
             self._current = None
         self._drop_graphs(layout.graphs)
@@ -165,11 +163,9 @@ class LayoutTable(Generic[Graphs]):
         self._unrecorded[layout.family] = 0
 
     def _explain_churn(self, family: Hashable, leaves: List[Any], structure: Any) -> None:
-        last = self._last_opened.get(family)
-        if last is None:
-            path, why = "args", "the layouts that changed were dropped"
-        else:
-            path, why = last.signature.first_difference(leaves, structure)
+        """Say once per argument path why calls like this one run eagerly (``stats()["layout_churn"]``)."""
+        last = next(layout for layout in reversed(self.layouts.values()) if layout.family == family)
+        path, why = last.signature.first_difference(leaves, structure)
         if path not in self.churn:
             count = self._unrecorded[family]
             self.churn[path] = (
