@@ -145,7 +145,8 @@ class GraphedCallable:
         with self._lock:
             layout, leaves, rows = self.layouts.find(args, kwargs)
             if layout is None:
-                raise ValueError(next(iter(self.layouts.churn.values())))
+                raise ValueError("args: no new layout is opened for calls like this example: "
+                                 + "; ".join(self.layouts.churn.values()))
             if self.backend_name == "eager":
                 return CaptureReport()
             signature = layout.signature

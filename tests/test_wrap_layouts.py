@@ -102,3 +102,13 @@ def test_a_padded_capture_that_fails_is_recorded_at_the_call_size():
 def test_max_signatures_must_be_a_positive_int(value, error):
     with pytest.raises(error, match="max_signatures"):
         wrap(scaled, max_batch_size=4, max_signatures=value)
+
+
+def test_capture_of_a_churning_layout_raises_naming_why():
+    fast = wrap(lambda x, history: x + history.sum(1, keepdim=True), max_batch_size=4, capture_sizes=[4],
+                backend="emulated")
+    x = torch.randn(4, 2)
+    for length in range(1, CHURN_LIMIT + 2):
+        fast(x, torch.randn(4, length))
+    with pytest.raises(ValueError, match=r"args: no new layout is opened .* args\[1\]: expected shape"):
+        fast.capture(x, torch.randn(4, 20))
