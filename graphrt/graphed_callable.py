@@ -187,6 +187,10 @@ class GraphedCallable:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
                 return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
+            elif reason is EagerReason.CAPTURE_FAILED and batch_size != decision.entry.key.num_tokens:
+                # Another size padded to a key whose capture failed: a key of its own, warmed up first.
+                entry = self._exact_size_entry(layout, decision.entry, batch_size)
+                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(layout, reason, batch_size, args, kwargs)
             return self._replay(layout, decision.entry, leaves, batch_size)

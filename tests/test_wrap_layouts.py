@@ -112,3 +112,22 @@ def test_capture_of_a_churning_layout_raises_naming_why():
         fast(x, torch.randn(4, length))
     with pytest.raises(ValueError, match=r"args: no new layout is opened .* args\[1\]: expected shape"):
         fast.capture(x, torch.randn(4, 20))
+
+
+def test_every_size_padded_to_a_failed_key_gets_a_key_of_its_own():
+    def refuses_eight_rows(x):
+        if x.shape[0] == 8:  # frozen at capture like any Python branch: only the 8-row recording raises
+            raise RuntimeError("8 rows are not supported")
+        return x * 2
+
+    fast = wrap(refuses_eight_rows, max_batch_size=8, capture_sizes=[4, 8], backend="emulated")
+    generator = torch.Generator().manual_seed(2)
+    for batch in (5, 5, 5, 6, 6, 6, 5):
+        x = torch.randn(batch, 3, generator=generator)
+        torch.testing.assert_close(fast(x), x * 2, rtol=0, atol=0)
+    stats = fast.stats()
+    # 5: warm-up, then the 8-row recording fails and 5 rows are recorded in the same call; 6: the key
+    # for 8 failed, so a 6-row key is warmed up on its first call and recorded on the next.
+    assert stats["eager_reasons"] == {"warmup": 2}, stats
+    assert stats["key_hits"] == {"decode/bs=5": 3, "decode/bs=6": 2}
+    assert stats["failed_keys"] == {"decode/bs=8": "RuntimeError: 8 rows are not supported"}
