@@ -18,7 +18,8 @@ any output was seen at another size runs eagerly once (``axis_probe``): its outp
 which dim of each output is the batch.
 
 A padded size whose capture fails (the model's own state is sized to the real batch, such as a
-StaticCache made for 3 rows) is recorded once more at the call's own size, a key of its own.
+StaticCache made for 3 rows) is recorded once more at the call's own size, a key of its own;
+other sizes padded to that failed key get keys of their own too.
 
 Graphs are for inference: with grad mode on and an input that requires grad, the call runs
 eagerly (``autograd``) so gradients flow; replays never record autograd.
