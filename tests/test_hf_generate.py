@@ -127,3 +127,12 @@ def test_a_growing_dynamic_cache_runs_eagerly_and_says_why():
     assert stats["eager_reasons"] == {"warmup": 4, "shape_mismatch": NEW_TOKENS - 4}
     assert "attention_mask" in stats["layout_churn"]
     assert "cache_implementation='static'" in stats["layout_churn"]["attention_mask"]
+
+
+def test_graph_generate_rejects_what_it_cannot_wrap():
+    with pytest.raises(TypeError, match="model: expected a Hugging Face generative model"):
+        graph_generate(torch.nn.Linear(2, 2), max_batch_size=4)
+    model = tiny_causal_lm("llama")
+    graph_generate(model, max_batch_size=4)
+    with pytest.raises(ValueError, match="model.forward: already wrapped"):
+        graph_generate(model, max_batch_size=4)
