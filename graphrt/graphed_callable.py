@@ -184,11 +184,12 @@ class GraphedCallable:
             graphs = layout.graphs
             decision = graphs.outputs.lookup(MODE, batch_size, batch_size)
             reason = decision.reason
-            if layout.signature.tentative and decision.entry is not None and batch_size != decision.entry.key.num_tokens:
+            padded = None if decision.entry is None else decision.entry.key.num_tokens
+            if layout.signature.tentative and padded is not None and batch_size != padded:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
                 return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
-            elif reason is EagerReason.CAPTURE_FAILED and batch_size != decision.entry.key.num_tokens:
+            elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
                 # Another size padded to a key whose capture failed: a key of its own, warmed up first.
                 entry = self._exact_size_entry(layout, decision.entry, batch_size)
                 return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)

@@ -196,7 +196,8 @@ def format_hf(result: Dict[str, Any]) -> List[str]:
     """Report lines of the generate() section (from the JSON form of an HfResult)."""
     lines = ["", f"Hugging Face generate(): {result['model']}, {result['prompts']} prompts x {PROMPT_LEN} tokens, "
              f"{result['new_tokens']} new tokens, greedy, static cache; decode steps of {WARM_CALLS} warm calls"]
-    header = ["peer", "first steady step s", "decode step ms: median [p10-p90]", "forward calls replayed", "same tokens"]
+    header = ["peer", "first steady step s", "decode step ms: median [p10-p90]", "forward calls replayed",
+              "same tokens"]
     rows = []
     for peer in result["peers"]:
         if peer["error"]:
