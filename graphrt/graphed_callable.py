@@ -121,19 +121,28 @@ class GraphedCallable:
         graphs.registry.clear()
         graphs.warm_calls.clear()
 
-    def _make_entry(self, signature: CallSignature, key: GraphKey) -> GraphEntry[StaticCall]:
-        """A key's entry: the static-slot arguments its graph reads, and ``fn`` on them (guarded
-        against rebinding the state of object arguments, which may be returned as they are)."""
-        static = signature.static_arguments(key.num_tokens)
+    def _make_entry(self, signature: CallSignature, key: GraphKey) -> GraphEntry[Optional[StaticCall]]:
+        """A key's entry: ``fn`` on the static-slot arguments its graph reads (set by
+        ``_static_inputs`` before its first recording), guarded against rebinding the state of
+        object arguments, which may be returned as they are."""
         objects = signature.objects
 
         def step() -> Any:
+            static = entry.static_inputs
             if not objects:
                 return self.fn(*static.args, **static.kwargs)
             with RebindGuard(objects):
                 return self.fn(*static.args, **static.kwargs)
 
-        return GraphEntry(key, static, step, passthrough=frozenset(id(obj) for _, obj in objects))
+        entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects))
+        return entry
+
+    @staticmethod
+    def _static_inputs(signature: CallSignature, entry: GraphEntry[Optional[StaticCall]]) -> None:
+        """Point ``entry`` at its views of the static slots (allocated by the first recording that
+        needs them, so a layout that only warms up holds no static memory)."""
+        if entry.static_inputs is None:
+            entry.static_inputs = signature.static_arguments(entry.key.num_tokens)
 
     # ---- capture ----------------------------------------------------------------------------------
 
@@ -159,6 +168,7 @@ class GraphedCallable:
 
             def stage_example(entry: GraphEntry) -> None:
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
+                self._static_inputs(signature, entry)
 
             report = layout.graphs.registry.capture_all(stage_example, progress=self.progress)
             if report.ok:
@@ -236,6 +246,7 @@ class GraphedCallable:
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
         """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays."""
         layout.signature.stage(leaves, batch_size)
+        self._static_inputs(layout.signature, entry)
         with self.backend.capture_session():
             return layout.graphs.registry.capture_entry(entry, warmup_iters=0)
 
@@ -285,7 +296,8 @@ class GraphedCallable:
                 else:
                     merged[name].update({prefix + key: item for key, item in value.items()})
             layouts[f"layout{layout.number}"] = {"arg_layout": layout.signature.layout(),
-                                                 "captured_keys": summary["captured_keys"]}
+                                                 "captured_keys": summary["captured_keys"],
+                                                 "static_bytes": layout.signature.static_bytes}
         result.update(merged)
         result["arg_layout"] = self.signature.layout() if self.signature is not None else {}
         result["layouts"] = layouts

@@ -65,12 +65,15 @@ def test_a_growing_argument_stops_opening_layouts_and_stats_say_why():
     stats = fast.stats()
     assert stats["eager_reasons"] == {"warmup": CHURN_LIMIT, "shape_mismatch": 8 - CHURN_LIMIT}
     assert len(stats["layouts"]) == CHURN_LIMIT and stats["captured_keys"] == []
+    assert [info["static_bytes"] for info in stats["layouts"].values()] == [0] * CHURN_LIMIT, "warm-ups allocate none"
     assert list(stats["layout_churn"]) == ["args[1]"]
     assert f"got shape [4, {CHURN_LIMIT + 1}]" in stats["layout_churn"]["args[1]"]
     for _ in range(2):  # a layout seen before (its warm-up was the growing call) records, then replays
         history = torch.randn(4, CHURN_LIMIT)
         torch.testing.assert_close(fast(x, history), x + history.sum(1, keepdim=True), rtol=0, atol=0)
     assert fast.stats()["graph_runs"] == 2
+    # the recorded layout's static slots: x [4 rows, 2] and history [4 rows, CHURN_LIMIT], float32
+    assert fast.stats()["layouts"]["layout3"]["static_bytes"] == 4 * (2 + CHURN_LIMIT) * 4
 
 
 class RowState(torch.nn.Module):

@@ -110,10 +110,10 @@ class CallSignature:
                         if isinstance(leaf, Constant) and not is_plain_constant(leaf.value)]
         self._tensors = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, TensorEvidence)]
         self._expected: Dict[int, Tuple[Any, ...]] = {}
-        self.buffers = InputBufferManager(max_batch_size=max_batch_size, register_defaults=False)
-        self._slots: Dict[int, InputSlot] = {index: self._register(index) for index in self._tensors}
         self._axes = [(index, self.leaves[index].axis) for index in self._tensors]
-        self._plan = StagingPlan([self._slots[index] for index in self._tensors])
+        self._buffers: Optional[InputBufferManager] = None  # allocated when a call is first staged
+        self._slots: Dict[int, InputSlot] = {}
+        self._plan: Optional[StagingPlan] = None
 
     @classmethod
     def first_call(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any], max_batch_size: int) -> "CallSignature":
@@ -131,6 +131,23 @@ class CallSignature:
             for index, leaf in enumerate(leaves)
         ]
         return cls(structure, kw_names, evidence, batch_leaf, max_batch_size)
+
+    @property
+    def buffers(self) -> InputBufferManager:
+        """The static slots, allocated on first use: a layout that never records holds none."""
+        if self._buffers is None:
+            self._allocate()
+        return self._buffers
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes held by the static slots (0 while none are allocated)."""
+        return sum(slot.tensor.numel() * slot.tensor.element_size() for slot in self._slots.values())
+
+    def _allocate(self) -> None:
+        self._buffers = InputBufferManager(max_batch_size=self.max_batch_size, register_defaults=False)
+        self._slots = {index: self._register(index) for index in self._tensors}
+        self._plan = StagingPlan([self._slots[index] for index in self._tensors])
 
     def _register(self, index: int) -> InputSlot:
         evidence: TensorEvidence = self.leaves[index]
@@ -196,6 +213,8 @@ class CallSignature:
                 if axis:
                     value = value.movedim(axis, 0)
             live.append(value)
+        if self._plan is None:
+            self._allocate()
         if torch.is_grad_enabled():
             with torch.no_grad():  # staging never records autograd
                 self._plan.stage(live, rows, rows)
@@ -204,6 +223,8 @@ class CallSignature:
 
     def static_arguments(self, rows: int) -> StaticCall:
         """The arguments a graph of ``rows`` rows reads: views of the static slots."""
+        if self._plan is None:
+            self._allocate()
         leaves = []
         for index, leaf in enumerate(self.leaves):
             if isinstance(leaf, Constant):
