@@ -5,7 +5,8 @@ Every peer generates from the same prompts, greedy, with a static cache: first t
 it up (capture or compile), then warm calls whose decode steps are timed one forward call at a
 time. "First steady step" is the wall time from wrapping ``forward`` to the end of the first
 forward call that needed no more setup: graphrt's first replayed call, torch.compile's first call
-after its last compilation.
+after its last compilation, with inductor's on-disk caches off (a cold compile, as a first run
+pays; a warm cache cuts it several-fold).
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ def measure_hf_generate(device: torch.device, new_tokens: int, with_compile: boo
         peers.append(PeerResult(COMPILE_NAME, error="skipped (--no-compile)"))
     else:
         try:
-            peers.append(run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected))
+            # Inductor's on-disk caches off: the compile a first run pays, not one warmed by an earlier process.
+            with torch._inductor.config.patch(force_disable_caches=True):
+                peers.append(run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected))
         except Exception as error:  # no C compiler, unsupported platform...: reported, not fatal
             peers.append(PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300]))
     return HfResult("tiny random Llama (2 layers, hidden 64, vocab 128)", PROMPTS, new_tokens, peers,
