@@ -207,7 +207,7 @@ class GraphedCallable:
                 return self._run_eager(layout, reason, batch_size, args, kwargs)
             return self._replay(layout, decision.entry, leaves, batch_size)
 
-    def _replay(self, layout: Layout[LayoutGraphs], entry: GraphEntry[StaticCall], leaves: List[Any],
+    def _replay(self, layout: Layout[LayoutGraphs], entry: GraphEntry[Optional[StaticCall]], leaves: List[Any],
                 batch_size: int) -> Any:
         """Stage the call's tensors into the static slots, replay, cut the real rows, count."""
         layout.signature.stage(leaves, batch_size)
