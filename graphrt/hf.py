@@ -24,7 +24,9 @@ MAX_POOLED_CACHES = 4  # StaticCaches kept for reuse; the least recently used is
 
 class StaticCachePool:
     """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size
-    and length, reset in place, else a new one (kept for next time, up to ``max_caches``)."""
+    and length, reset in place, else a new one (kept for next time, up to ``max_caches``). A cache
+    that an earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call
+    of the same shape. Encoder-decoder caches (sized to the encoder output too) are not pooled."""
 
     def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES) -> None:
         self.prepare = prepare
@@ -35,7 +37,8 @@ class StaticCachePool:
     def __call__(self, cache_implementation: str, batch_size: int, max_cache_len: int,
                  prefill_chunk_size: Optional[int], model_kwargs: dict) -> Any:
         key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size)
-        cache = self.caches.get(key)
+        pooled = model_kwargs.get("encoder_outputs") is None
+        cache = self.caches.get(key) if pooled else None
         if cache is not None:
             self.caches.move_to_end(key)
             cache.reset()  # zeroes keys, values and the length counter in place: the graphs' tensors stay
@@ -44,9 +47,10 @@ class StaticCachePool:
         cache = self.prepare(cache_implementation=cache_implementation, batch_size=batch_size,
                              max_cache_len=max_cache_len, prefill_chunk_size=prefill_chunk_size,
                              model_kwargs=model_kwargs)
-        self.caches[key] = cache
-        if len(self.caches) > self.max_caches:
-            self.caches.popitem(last=False)
+        if pooled:
+            self.caches[key] = cache
+            if len(self.caches) > self.max_caches:
+                self.caches.popitem(last=False)
         return cache
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from hf_helpers import GENERATE_MODELS, VOCAB, tiny_causal_lm  # noqa: E402
 
 import graphrt  # noqa: E402
-from graphrt.hf import graph_generate  # noqa: E402
+from graphrt.hf import StaticCachePool, graph_generate  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -136,3 +136,31 @@ def test_graph_generate_rejects_what_it_cannot_wrap():
     graph_generate(model, max_batch_size=4)
     with pytest.raises(ValueError, match="model.forward: already wrapped"):
         graph_generate(model, max_batch_size=4)
+
+
+class CacheStub:
+    """Counts reset() calls, as a StaticCache zeroes itself in place."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_the_cache_pool_reuses_a_cache_per_shape_and_lets_the_oldest_go():
+    made = []
+
+    def prepare(**request):
+        made.append(CacheStub())
+        return made[-1]
+
+    pool = StaticCachePool(prepare, max_caches=2)
+    request = dict(cache_implementation="static", prefill_chunk_size=None, model_kwargs={})
+    first = pool(batch_size=3, max_cache_len=16, **request)
+    assert pool(batch_size=3, max_cache_len=16, **request) is first and first.resets == 1
+    assert pool(batch_size=5, max_cache_len=16, **request) is not first
+    pool(batch_size=2, max_cache_len=16, **request)  # a third shape: the least recently used (3 rows) goes
+    assert pool(batch_size=3, max_cache_len=16, **request) is not first and len(made) == 4
+    encoder = dict(request, model_kwargs={"encoder_outputs": object()})
+    assert pool(batch_size=2, max_cache_len=16, **encoder) is not pool(batch_size=2, max_cache_len=16, **encoder)
