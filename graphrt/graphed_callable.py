@@ -4,7 +4,11 @@ Arguments are pytrees: tensors nested in tuples, lists, dicts and dataclasses ar
 static slots; the batch size of a call is dim 0 of its first tensor, and every other tensor is
 padded along the dim that carries the batch, or kept whole (graphrt.layout.call_signature). Outputs
 are cut to the real rows along the batch axis each one was seen to have (graphrt.layout.batch_axes).
-A call that differs from the captured signature runs eagerly with reason ``shape_mismatch``.
+Each call layout (argument structure, non-batch dims, dtypes, constants) gets graphs of its own
+(graphrt.layout.layout_table): Hugging Face ``generate()`` calls ``forward`` with one layout for
+the prefill and another for every decode step. At most ``max_signatures`` layouts hold graphs
+(the least recently used is dropped); calls whose layout changes on every call run eagerly
+(``shape_mismatch``, explained in ``stats()["layout_churn"]``).
 
 Like torch.compile's CUDA-graph trees, graphs are captured on real calls and nothing runs
 twice: the first ``warmup_iters`` calls of a padded size run ``fn`` eagerly as those calls'
@@ -12,6 +16,10 @@ real steps, the next one records on its own staged inputs (every write the recor
 undone) and replays once to return its output, and later calls replay. A padded call before
 any output was seen at another size runs eagerly once (``axis_probe``): its output shapes show
 which dim of each output is the batch.
+
+A padded size whose capture fails (the model's own state is sized to the real batch, such as a
+StaticCache made for 3 rows) is recorded once more at the call's own size, a key of its own;
+other sizes padded to that failed key get keys of their own too.
 
 Graphs are for inference: with grad mode on and an input that requires grad, the call runs
 eagerly (``autograd``) so gradients flow; replays never record autograd.
@@ -21,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,6 +39,7 @@ from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.dispatch import OutputCutter
 from graphrt.layout.call_signature import CallSignature, StaticCall
+from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.rebind_guard import RebindGuard
 from graphrt.registry import STATUS_REASONS, CaptureReport, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
@@ -39,10 +49,22 @@ logger = logging.getLogger(__name__)
 
 MODE = ForwardMode.DECODE
 _OBSERVED_EAGER = (EagerReason.WARMUP, EagerReason.AXIS_PROBE)  # eager runs whose output shapes are evidence
+MAX_SIGNATURES = 8  # layouts holding graphs, as torch.compile's recompile_limit
+CHURN_LIMIT = 4  # layouts of one family opened in a row without a recording before it runs eagerly
+
+
+@dataclass(eq=False)
+class LayoutGraphs:
+    """What one call layout holds: its keys' graphs, their output cutter, warm-up counts."""
+
+    registry: GraphRegistry
+    outputs: OutputCutter
+    warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
+    exact_logged: bool = False
 
 
 class GraphedCallable:
-    """``fn(*args, **kwargs)`` replayed from graphs captured per padded batch size."""
+    """``fn(*args, **kwargs)`` replayed from graphs captured per call layout and padded batch size."""
 
     def __init__(
         self,
@@ -55,9 +77,11 @@ class GraphedCallable:
         progress: bool = False,
         debug: Optional[bool] = None,
         verify: bool = True,
+        max_signatures: int = MAX_SIGNATURES,
     ) -> None:
         refuse_compiled_cudagraphs(fn, "fn")
         self.fn = fn
+        self.__wrapped__ = fn  # inspect.signature(self) is fn's: generate() passes forward the kwargs it accepts
         self.max_batch_size = max_batch_size
         self.capture_sizes = (
             default_capture_sizes(max_batch_size) if capture_sizes is None
@@ -67,80 +91,79 @@ class GraphedCallable:
         self.backend_name = "eager" if graphs_disabled_by_env() else requested
         self.progress = progress
         self.warmup_iters = warmup_iters
-        self._warm_calls: Dict[GraphKey, int] = {}
+        self.copy_outputs = copy_outputs
+        self.debug = debug_enabled() if debug is None else debug
         self._stats = RuntimeStats()
-        self.registry = GraphRegistry(make_backend(self.backend_name, resolve_device(requested, None)), warmup_iters, verify)
-        self.outputs = OutputCutter(self.registry, copy_outputs, debug_enabled() if debug is None else debug)
-        self.signature: Optional[CallSignature] = None
-        self.signature_changes = 0
-        self._mismatch_logged = False
+        self.verify = verify
+        self.backend = make_backend(self.backend_name, resolve_device(requested, None))
+        if not isinstance(max_signatures, int) or isinstance(max_signatures, bool):
+            raise TypeError(f"max_signatures: expected an int >= 1, got {max_signatures!r}")
+        self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
+            max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
         self._lock = threading.Lock()
 
-    # ---- signature ------------------------------------------------------------------------------
+    # ---- layouts ----------------------------------------------------------------------------------
 
-    def _adopt(self, signature: CallSignature) -> CallSignature:
-        """Use ``signature`` from now on: graphs of an earlier one are dropped and captured again."""
-        if self.signature is not None:
-            self.signature_changes += 1
-            logger.info("wrap(): argument layout is now %s; graphs are captured again", signature.layout())
-        self.signature = signature
-        self._mismatch_logged = False
-        self.registry.clear()
-        self._warm_calls.clear()
+    @property
+    def signature(self) -> Optional[CallSignature]:
+        """The signature of the layout used last (None before the first call)."""
+        current = self.layouts.current
+        return None if current is None else current.signature
+
+    def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
+        """A new layout's registry (one key per capture size, pending) and output cutter."""
+        registry = GraphRegistry(self.backend, self.warmup_iters, self.verify)
         if self.backend_name != "eager":
-            self.registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes), self._make_entry)
-        return signature
+            registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
+                              lambda key: self._make_entry(signature, key))
+        return LayoutGraphs(registry, OutputCutter(registry, self.copy_outputs, self.debug))
 
-    def _make_entry(self, key: GraphKey) -> GraphEntry[StaticCall]:
-        """A key's entry: the static-slot arguments its graph reads, and ``fn`` on them (guarded
-        against rebinding the state of object arguments, which may be returned as they are)."""
-        static = self.signature.static_arguments(key.num_tokens)
-        objects = self.signature.objects
+    @staticmethod
+    def _drop_graphs(graphs: LayoutGraphs) -> None:
+        """Forget a layout's graphs (their memory returns once nothing holds their tensors)."""
+        graphs.registry.clear()
+        graphs.warm_calls.clear()
+
+    def _make_entry(self, signature: CallSignature, key: GraphKey) -> GraphEntry[Optional[StaticCall]]:
+        """A key's entry: ``fn`` on the static-slot arguments its graph reads (set by
+        ``_static_inputs`` before its first recording), guarded against rebinding the state of
+        object arguments, which may be returned as they are."""
+        objects = signature.objects
 
         def step() -> Any:
+            static = entry.static_inputs
             if not objects:
                 return self.fn(*static.args, **static.kwargs)
             with RebindGuard(objects):
                 return self.fn(*static.args, **static.kwargs)
 
-        return GraphEntry(key, static, step, passthrough=frozenset(id(obj) for _, obj in objects))
+        entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects))
+        return entry
 
-    def _call_layout(self, args: tuple, kwargs: dict) -> Tuple[CallSignature, List[Any], int, bool]:
-        """The signature for this call (a refined one if the call decides a batch axis), the call's
-        leaves, its batch size, and whether it matches."""
-        signature = self.signature or self._adopt(CallSignature.first_call(args, kwargs, self.max_batch_size))
-        leaves, structure = signature.flatten(args, kwargs)
-        batch_size, matched = signature.match(leaves, structure)
-        if matched:
-            if signature.tentative:
-                signature.confirm(leaves, structure)
-            return signature, leaves, batch_size, True
-        refined = signature.refine(leaves, structure)
-        if refined is None:
-            if not self._mismatch_logged:  # once per signature: why calls like this one run eagerly
-                self._mismatch_logged = True
-                why = signature.describe_mismatch(leaves, structure)
-                logger.info("wrap(): call runs eagerly (shape_mismatch): %s", why)
-            return signature, leaves, batch_size, False
-        signature = self._adopt(refined)
-        batch_size, matched = signature.match(leaves, structure)
-        return signature, leaves, batch_size, matched
+    @staticmethod
+    def _static_inputs(signature: CallSignature, entry: GraphEntry[Optional[StaticCall]]) -> None:
+        """Point ``entry`` at its views of the static slots (allocated by the first recording that
+        needs them, so a layout that only warms up holds no static memory)."""
+        if entry.static_inputs is None:
+            entry.static_inputs = signature.static_arguments(entry.key.num_tokens)
 
     # ---- capture ----------------------------------------------------------------------------------
 
     def capture(self, *args: Any, **kwargs: Any) -> CaptureReport:
-        """Fix the signature from these example arguments and capture every size up front.
+        """Capture every size of these example arguments' layout up front.
 
         Each size warms up and records on the example's rows (padded, or cut to the size);
         every write to the model's tensors is undone, so the model's state is as before.
         """
         with self._lock:
-            signature, leaves, rows, matched = self._call_layout(args, kwargs)
-            if not matched:
-                raise ValueError(signature.describe_mismatch(*signature.flatten(args, kwargs)))
+            layout, leaves, rows = self.layouts.find(args, kwargs)
+            if layout is None:
+                raise ValueError("args: no new layout is opened for calls like this example: "
+                                 + "; ".join(self.layouts.churn.values()))
             if self.backend_name == "eager":
                 return CaptureReport()
+            signature = layout.signature
             if signature.tentative and any(size != rows for size in self.capture_sizes):
                 ambiguous = [path for path, axis in signature.layout().items() if axis.endswith("?")]
                 raise ValueError(f"{ambiguous[0]}: the batch size {rows} is the size of several of its dims, so "
@@ -149,76 +172,106 @@ class GraphedCallable:
 
             def stage_example(entry: GraphEntry) -> None:
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
+                self._static_inputs(signature, entry)
 
-            return self.registry.capture_all(stage_example, progress=self.progress)
+            report = layout.graphs.registry.capture_all(stage_example, progress=self.progress)
+            if report.ok:
+                self.layouts.recorded(layout)
+            return report
 
     # ---- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Replay the graph of the smallest captured size that fits, else run ``fn`` eagerly."""
+        """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
         with self._lock:
-            signature, leaves, batch_size, matched = self._call_layout(args, kwargs)
+            layout, leaves, batch_size = self.layouts.find(args, kwargs)
             if batch_size:
                 self._stats.record_size(MODE, batch_size)
             if torch.is_grad_enabled():
                 if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
-                    return self._run_eager(EagerReason.AUTOGRAD, batch_size, args, kwargs)
+                    return self._run_eager(layout, EagerReason.AUTOGRAD, batch_size, args, kwargs)
                 self._warn_grad_mode()
-            if not matched:
-                return self._run_eager(EagerReason.SHAPE_MISMATCH, batch_size, args, kwargs)
+            if layout is None:
+                return self._run_eager(layout, EagerReason.SHAPE_MISMATCH, batch_size, args, kwargs)
             if self.backend_name == "eager":
-                return self._run_eager(EagerReason.GRAPHS_DISABLED, batch_size, args, kwargs)
-            decision = self.outputs.lookup(MODE, batch_size, batch_size)
+                return self._run_eager(layout, EagerReason.GRAPHS_DISABLED, batch_size, args, kwargs)
+            graphs = layout.graphs
+            decision = graphs.outputs.lookup(MODE, batch_size, batch_size)
             reason = decision.reason
-            if signature.tentative and decision.entry is not None and batch_size != decision.entry.key.num_tokens:
+            padded = None if decision.entry is None else decision.entry.key.num_tokens
+            if layout.signature.tentative and padded is not None and batch_size != padded:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(decision.entry, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
+            elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
+                # Another size padded to a key whose capture failed: a key of its own, warmed up first.
+                entry = self._exact_size_entry(layout, decision.entry, batch_size)
+                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
-                return self._run_eager(reason, batch_size, args, kwargs)
-            return self._replay(decision.entry, leaves, batch_size)
+                return self._run_eager(layout, reason, batch_size, args, kwargs)
+            return self._replay(layout, decision.entry, leaves, batch_size)
 
-    def _replay(self, entry: GraphEntry[StaticCall], leaves: List[Any], batch_size: int) -> Any:
+    def _replay(self, layout: Layout[LayoutGraphs], entry: GraphEntry[Optional[StaticCall]], leaves: List[Any],
+                batch_size: int) -> Any:
         """Stage the call's tensors into the static slots, replay, cut the real rows, count."""
-        self.signature.stage(leaves, batch_size)
+        layout.signature.stage(leaves, batch_size)
         entry.graph.replay()
-        outputs = self.outputs.cut(entry, batch_size, batch_size)
+        outputs = layout.graphs.outputs.cut(entry, batch_size, batch_size)
         entry.hits += 1
         self._stats.record_graph(batch_size, entry.key.num_tokens)
         return outputs
 
-    def _warm_up_or_record(
-        self, entry: GraphEntry, batch_size: int, leaves: List[Any], args: tuple, kwargs: dict
-    ) -> Any:
+    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
+                           leaves: List[Any], args: tuple, kwargs: dict) -> Any:
         """A size's first calls are its warm-up, run eagerly as the real step; the next records
         on its staged inputs (the recording's writes undone) and replays once for its output."""
-        warm_calls = self._warm_calls.get(entry.key, 0)
+        graphs = layout.graphs
+        warm_calls = graphs.warm_calls.get(entry.key, 0)
         if warm_calls < self.warmup_iters:
-            self._warm_calls[entry.key] = warm_calls + 1
-            with self.registry.backend.warmup_context():
-                return self._run_eager(EagerReason.WARMUP, batch_size, args, kwargs)
+            graphs.warm_calls[entry.key] = warm_calls + 1
+            with self.backend.warmup_context():
+                return self._run_eager(layout, EagerReason.WARMUP, batch_size, args, kwargs)
         padded = entry.key.num_tokens
-        if batch_size != padded and not self.outputs.axes.seen_other_size(MODE, padded, padded):
+        if batch_size != padded and not graphs.outputs.axes.seen_other_size(MODE, padded, padded):
             # Recording now could not tell which output dims to cut: learn them from this real step.
-            return self._run_eager(EagerReason.AXIS_PROBE, batch_size, args, kwargs)
-        self.signature.stage(leaves, batch_size)
-        with self.registry.backend.capture_session():
-            captured = self.registry.capture_entry(entry, warmup_iters=0)
+            return self._run_eager(layout, EagerReason.AXIS_PROBE, batch_size, args, kwargs)
+        captured = self._record(layout, entry, leaves, batch_size)
+        if not captured and batch_size != padded:
+            entry = self._exact_size_entry(layout, entry, batch_size)
+            captured = self._record(layout, entry, leaves, batch_size)
         if not captured:  # capture_failed, or verify_failed
-            return self._run_eager(STATUS_REASONS[entry.status], batch_size, args, kwargs)
-        decision = self.outputs.lookup(MODE, batch_size, batch_size)
+            return self._run_eager(layout, STATUS_REASONS[entry.status], batch_size, args, kwargs)
+        self.layouts.recorded(layout)
+        decision = graphs.outputs.lookup(MODE, batch_size, batch_size)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
-            return self._run_eager(decision.reason, batch_size, args, kwargs)
-        return self._replay(entry, leaves, batch_size)
+            return self._run_eager(layout, decision.reason, batch_size, args, kwargs)
+        return self._replay(layout, entry, leaves, batch_size)
 
-    def _run_eager(self, reason: EagerReason, batch_size: int, args: tuple, kwargs: dict) -> Any:
+    def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
+        """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays."""
+        layout.signature.stage(leaves, batch_size)
+        self._static_inputs(layout.signature, entry)
+        with self.backend.capture_session():
+            return layout.graphs.registry.capture_entry(entry, warmup_iters=0)
+
+    def _exact_size_entry(self, layout: Layout[LayoutGraphs], failed: GraphEntry, batch_size: int) -> GraphEntry:
+        """A key of the call's own size, for a padded capture that failed (logged once per layout)."""
+        graphs = layout.graphs
+        if not graphs.exact_logged:
+            graphs.exact_logged = True
+            logger.info("wrap(): capture at the padded size %s failed (%s); calls of %d rows get a graph at "
+                        "their own size", failed.key, failed.reason, batch_size)
+        return graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, key))
+
+    def _run_eager(self, layout: Optional[Layout[LayoutGraphs]], reason: EagerReason, batch_size: int,
+                   args: tuple, kwargs: dict) -> Any:
         self._stats.record_eager(reason, batch_size)
         if reason is EagerReason.AUTOGRAD:
             return self.fn(*args, **kwargs)
         with torch.no_grad():
             outputs = self.fn(*args, **kwargs)
         if reason in _OBSERVED_EAGER:
-            self.outputs.observe_eager(MODE, batch_size, batch_size, outputs)
+            layout.graphs.outputs.observe_eager(MODE, batch_size, batch_size, outputs)
         return outputs
 
     def _warn_grad_mode(self) -> None:
@@ -228,13 +281,33 @@ class GraphedCallable:
                            "(graphs are for inference); call it under torch.inference_mode() or torch.no_grad()")
 
     def stats(self) -> Dict[str, Any]:
-        """Same counters as GraphRunner.stats(), plus the argument layout wrap() inferred."""
+        """Same counters as GraphRunner.stats(), plus the argument layouts wrap() inferred.
+
+        Keys of the first layout are named as in GraphRunner (``decode/bs=4``); those of a later
+        layout ``n`` are prefixed ``layout{n}:``. ``arg_layout`` is the layout used last.
+        """
         result = self._stats.as_dict()
         result["backend"] = self.backend_name
-        result.update(self.registry.summary())
-        result["uncut_outputs"] = dict(self.outputs.uncut_outputs)
+        merged: Dict[str, Any] = {"key_hits": {}, "captured_keys": [], "failed_keys": {}, "uncut_outputs": {}}
+        layouts = {}
+        for layout in self.layouts.layouts.values():
+            prefix = f"layout{layout.number}:" if layout.number else ""
+            summary = layout.graphs.registry.summary()
+            summary["uncut_outputs"] = layout.graphs.outputs.uncut_outputs
+            for name, value in summary.items():
+                if isinstance(value, list):
+                    merged[name].extend(prefix + key for key in value)
+                else:
+                    merged[name].update({prefix + key: item for key, item in value.items()})
+            layouts[f"layout{layout.number}"] = {"arg_layout": layout.signature.layout(),
+                                                 "captured_keys": summary["captured_keys"],
+                                                 "static_bytes": layout.signature.static_bytes}
+        result.update(merged)
         result["arg_layout"] = self.signature.layout() if self.signature is not None else {}
-        result["signature_changes"] = self.signature_changes
+        result["layouts"] = layouts
+        result["signature_changes"] = self.layouts.refined
+        result["layouts_dropped"] = self.layouts.dropped
+        result["layout_churn"] = dict(self.layouts.churn)
         return result
 
 

@@ -60,7 +60,7 @@ class EagerReason(str, enum.Enum):
     NOT_CAPTURED = "not_captured"  # capture() has not run (or was interrupted) for this key
     MODE_NOT_CAPTURED = "mode_not_captured"
     BATCH_TOO_LARGE = "batch_too_large"
-    SHAPE_MISMATCH = "shape_mismatch"  # wrap(): the call's arguments differ from the captured signature
+    SHAPE_MISMATCH = "shape_mismatch"  # wrap(): the call fits no layout with graphs, and its kind changes every call
     CAPTURE_FAILED = "capture_failed"
     VERIFY_FAILED = "verify_failed"  # the key's first replay differed from eager at capture
     DISABLED = "disabled"  # an earlier replay of this key raised
@@ -207,6 +207,18 @@ class GraphRegistry:
         if grid.diagonal:
             padded = build_pad_table(grid.token_sizes)
             self._by_rows[mode] = [self.entries[GraphKey(mode, size, size)] for size in padded]
+
+    def add_size(self, mode: ForwardMode, size: int, make_entry: Callable[[GraphKey], GraphEntry]) -> GraphEntry:
+        """Register the diagonal key (size, size) beside ``mode``'s grid, keeping its other keys and
+        graphs: calls of exactly ``size`` rows use it from now on (a size padding cannot serve)."""
+        grid = self.grids[mode][0]
+        sizes = sorted({*grid.token_sizes, size})
+        key = GraphKey(mode, size, size)
+        entry = self.entries[key] = make_entry(key)
+        table = build_pad_table(sizes)
+        self.grids[mode] = (SizeGrid.for_decode(sizes), table, table)
+        self._by_rows[mode] = [self.entries[GraphKey(mode, padded, padded)] for padded in table]
+        return entry
 
     def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
         """The entry whose key pads (num_tokens, num_reqs) least, in O(1), if it is ready; else why not."""

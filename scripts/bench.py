@@ -8,7 +8,9 @@ graph (no staging), the runtime's overhead (runner - raw replay) in units of one
 op, batch.validate() alone and the attention replay hook alone; then greedy-generation
 throughput eager vs runner, capture time and graph pool memory. Every graph is checked against
 eager before it is timed. Without CUDA the backend is emulated and the graph column measures
-graphrt's overhead, not a speedup.
+graphrt's overhead, not a speedup. Last, Hugging Face generate() on a tiny random Llama: eager vs
+graphrt.hf.graph_generate vs torch.compile(mode="reduce-overhead") (scripts/bench_hf.py; --no-hf
+skips it, --no-compile skips its ~10 s torch.compile peer).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import logging
 import os
 import random
@@ -39,6 +42,7 @@ from bench_lib import (
     one_op_model,
     parameter_count,
 )
+from bench_hf import format_hf, measure_hf_generate
 from bench_peer import compiled_step, warm_compiled
 from bench_piecewise import (
     PIECEWISE_SIZES,
@@ -94,6 +98,8 @@ class Settings:
     new_tokens: int
     repeats: int
     compile: bool
+    hf: bool
+    hf_compile: bool
     plot: bool
     quick: bool
     seed: int
@@ -125,7 +131,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "cuda", "emulated"), default="auto")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="fewer samples and tokens: under a minute on a 2-core CPU")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (GPU only anyway)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the torch.compile peers (the reference model's: GPU only; generate()'s: ~10 s on CPU)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() section")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads (default on CPU: 1, steady on a shared machine; on CUDA: torch's)")
@@ -189,6 +197,8 @@ def resolve(args: argparse.Namespace) -> Settings:
         new_tokens=pick(args.new_tokens, 32, 8),
         repeats=1 if args.quick else 3,
         compile=not args.no_compile and device.type == "cuda",
+        hf=not args.no_hf,
+        hf_compile=not args.no_compile,
         plot=not args.no_plot,
         quick=args.quick,
         seed=args.seed,
@@ -341,8 +351,20 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
+        "hf_generate": hf_summary(settings),
     }
     return doc, results
+
+
+def hf_summary(settings: Settings) -> Dict[str, Any]:
+    """The generate() section (eager vs graphrt vs torch.compile on a tiny HF Llama), or why it was skipped."""
+    if not settings.hf:
+        return {"skipped": "--no-hf"}
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    with torch.no_grad():
+        result = measure_hf_generate(settings.device, settings.new_tokens, settings.hf_compile)
+    return dataclasses.asdict(result)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -366,6 +388,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")
+    hf = doc["hf_generate"]
+    print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"

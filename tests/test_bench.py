@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -23,7 +24,9 @@ def bench(monkeypatch):
 
 
 def run_bench(bench, out: Path, *flags: str) -> dict:
-    assert bench.main(["--model", "tiny", "--batch-sizes", "1,3", "--iters", "3", "--quick", "--out", str(out), *flags]) == 0
+    """Tiny settings; generate()'s torch.compile peer (~10 s on CPU) is left out (--no-compile)."""
+    assert bench.main(["--model", "tiny", "--batch-sizes", "1,3", "--iters", "3", "--quick", "--no-compile",
+                       "--out", str(out), *flags]) == 0
     paths = list(out.glob("bench_*_tiny.json"))
     assert len(paths) == 1
     return json.loads(paths[0].read_text())
@@ -87,6 +90,38 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     assert "graphs for <= 5%" in printed
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench_cpu_tiny.png").stat().st_size > 0
+    if importlib.util.find_spec("transformers") is not None:
+        check_hf_section(doc["hf_generate"], printed)
+
+
+def check_hf_section(hf: dict, printed: str) -> None:
+    eager, graphed, compiled = hf["peers"]
+    assert eager["name"] == "eager" and eager["replayed_calls"] == 0 and eager["decode_step_ms"]["median"] > 0
+    assert graphed["same_tokens"] is True and graphed["first_steady_s"] > 0
+    # 3 generate() calls: only the first call's prefill and first decode step run eagerly (warm-up)
+    assert graphed["replayed_calls"] == graphed["forward_calls"] - 2 > 0
+    assert compiled["error"] == "skipped (--no-compile)"
+    costs = hf["wrap_overhead_trivial_ops"]
+    assert set(costs) == {"1 layout", "4 layouts, the same one called", "2 layouts called in turn (per call)"}
+    assert all(math.isfinite(spread["median"]) for spread in costs.values())
+    assert "Hugging Face generate()" in printed and "neither column is a CUDA-graph effect" in printed
+
+
+def test_hf_compile_peer_that_cannot_run_is_reported(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    bench_hf = importlib.import_module("bench_hf")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with torch.no_grad():
+        result = bench_hf.measure_hf_generate(torch.device("cpu"), new_tokens=3, with_compile=True)
+    compiled = result.peers[-1]
+    assert compiled.error == "could not run here: RuntimeError: no C compiler"
+    assert result.peers[1].same_tokens is True
+    assert "could not run here" in "\n".join(bench_hf.format_hf(dataclasses.asdict(result)))
 
 
 def test_no_plot_writes_no_png(bench, tmp_path):

@@ -141,7 +141,7 @@ def test_arguments_are_classified_as_wrap_does():
     kinds = {a.name: (a.kind, a.runs_eagerly_when) for a in report.arguments}
     assert kinds["hidden"][0] == "batch dim 0" and "batch_too_large" in kinds["hidden"][1]
     assert kinds["mask"][0] == "fixed" and "[1, 4]" in kinds["mask"][1]
-    assert kinds["temperature"][0] == "constant" and "shape_mismatch" in kinds["temperature"][1]
+    assert kinds["temperature"][0] == "constant" and "new argument layout" in kinds["temperature"][1]
 
 
 def test_json_report():

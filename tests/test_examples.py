@@ -19,6 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("examples/chunked_prefill.py", "same tokens: True"),
     pytest.param("examples/hf_decode.py", "same tokens: True",
                  marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
+    pytest.param("examples/hf_generate.py", "same tokens: True",
+                 marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
 ])
 def test_example_runs(script, expected):
     result = subprocess.run([sys.executable, str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,

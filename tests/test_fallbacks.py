@@ -7,6 +7,7 @@ import torch
 from conftest import ToyPagedModel, decode_batch, static_checksums
 
 from graphrt import EagerReason, ForwardMode, GraphRunner, wrap
+from graphrt.graphed_callable import CHURN_LIMIT
 from graphrt.registry import GraphStatus
 
 
@@ -102,7 +103,8 @@ def test_every_eager_reason_is_reachable_and_counted():
     fast = wrap(lambda x: x * 2, max_batch_size=4, capture_sizes=[4], backend="emulated")
     fast(torch.ones(4, 3))  # warmup
     fast(torch.ones(2, 3))  # axis_probe: outputs were seen at the padded size only
-    fast(torch.ones(2, 5))  # shape_mismatch
+    for width in range(5, 5 + CHURN_LIMIT + 1):  # a new layout on every call: the last runs eagerly, shape_mismatch
+        fast(torch.ones(2, width))
     fast(torch.ones(2, 3, requires_grad=True))  # autograd
     seen = set(reasons) | set(failing.stats()["eager_reasons"]) | set(eager.stats()["eager_reasons"])
     seen |= set(fast.stats()["eager_reasons"]) | {"replay_failed"}  # replay_failed: test above

@@ -18,20 +18,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    StaticCache,
-)
+from hf_helpers import VOCAB  # noqa: E402
+from hf_helpers import tiny_causal_lm as tiny_model  # noqa: E402
+from transformers import StaticCache  # noqa: E402
 
 import graphrt  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-VOCAB = 128
 BATCH = 4
 PROMPT_LEN = 8
 DECODE_STEPS = 24
@@ -43,25 +36,7 @@ BATCH_SIZES = (1, 3, 5, 8)  # padded to the capture sizes [2, 4, 8] in parts b a
 
 
 def tiny_causal_lm(kind: str) -> torch.nn.Module:
-    """A 2-layer random causal LM. initializer_range=0.5: with the default 0.02 the logits are
-    nearly flat and greedy decoding collapses into one repeated token, hiding cache errors."""
-    torch.manual_seed(0)
-    if kind == "llama":
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             initializer_range=0.5)
-        model = LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             initializer_range=0.5)
-        model = Qwen2ForCausalLM(config)
-    else:
-        # GPT-2 supports StaticCache in transformers 5.x (learned positions from position_ids).
-        config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                            initializer_range=0.5, bos_token_id=1, eos_token_id=1)
-        model = GPT2LMHeadModel(config)
-    return model.to(DEVICE).eval()
+    return tiny_model(kind, DEVICE)
 
 
 def make_prompt() -> torch.Tensor:

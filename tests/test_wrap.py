@@ -1,4 +1,4 @@
-"""wrap(): graphs for a plain callable of tensors, and its shape_mismatch fallback."""
+"""wrap(): graphs for a plain callable of tensors, per call layout."""
 
 from __future__ import annotations
 
@@ -56,23 +56,25 @@ def test_non_batch_tensors_are_staged_each_call():
     torch.testing.assert_close(fast(x, second), x @ second)
 
 
-def test_shape_mismatch_falls_back_to_eager_with_reason():
+def test_a_call_with_another_layout_gets_graphs_of_its_own():
     mlp = make_mlp("cpu")
     fast = wrap(lambda x, scale=1.0: mlp(x) * scale, max_batch_size=8, capture_sizes=[4, 8], backend="emulated")
     with torch.no_grad():
         fast(torch.randn(4, 16))
         wide = torch.randn(3, 16)
-        torch.testing.assert_close(fast(wide, scale=2.0), mlp(wide) * 2.0)  # new keyword
-        # Same signature, padded: outputs were seen at bs=4 only, so this real step runs eagerly and
+        for _ in range(3):  # new keyword: a layout of its own, warmed up, recorded, then replayed
+            torch.testing.assert_close(fast(wide, scale=2.0), mlp(wide) * 2.0)
+        # The first layout, padded: outputs were seen at bs=4 only, so this real step runs eagerly and
         # its output shapes show the batch axis; the next call records and replays.
         torch.testing.assert_close(fast(wide.double().float()), mlp(wide))
         assert fast(torch.randn(3, 16, dtype=torch.float64).float()).shape == (3, 8)
         with pytest.raises(RuntimeError):
-            fast(torch.randn(3, 15))  # eager too: the model itself rejects it
+            fast(torch.randn(3, 15))  # a third layout's warm-up, eager: the model itself rejects it
         fast(torch.randn(9, 16))
-    reasons = fast.stats()["eager_reasons"]
-    assert reasons == {"warmup": 1, "shape_mismatch": 2, "axis_probe": 1, "batch_too_large": 1}
-    assert fast.stats()["graph_runs"] == 1
+    stats = fast.stats()
+    assert stats["eager_reasons"] == {"warmup": 3, "axis_probe": 1, "batch_too_large": 1}
+    assert stats["graph_runs"] == 3 and stats["key_hits"] == {"decode/bs=4": 1, "layout1:decode/bs=4": 2}
+    assert stats["arg_layout"] == {"args[0]": "dim 0"} and len(stats["layouts"]) == 3
 
 
 def test_wrap_needs_a_batched_tensor():

@@ -30,6 +30,8 @@ from graphrt.layout.call_signature import (
 from graphrt.layout.tensor_tree import is_plain_constant
 from graphrt.sizes import default_capture_sizes
 
+NEW_LAYOUT = "a new argument layout (a warm-up call, then graphs of its own)"
+
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
 
 
@@ -115,18 +117,18 @@ def wrap_signature(tree: CallTree, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 def _argument_info(path: str, leaf: Any, value: Any) -> ArgumentInfo:
     if isinstance(leaf, Constant):
         rule = "another value" if is_plain_constant(value) else "another object (compared by identity)"
-        return ArgumentInfo(path, "constant", _summary(value), f"{rule} (shape_mismatch)")
+        return ArgumentInfo(path, "constant", _summary(value), f"{rule}: {NEW_LAYOUT}")
     shape = f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')} {value.device.type}"
     if leaf.axis is None:
-        return ArgumentInfo(path, "fixed", shape, f"shape other than {list(value.shape)}, another dtype or device "
-                                                  "(shape_mismatch)")
+        return ArgumentInfo(path, "fixed", shape, f"shape other than {list(value.shape)}, another dtype or device: "
+                                                  f"{NEW_LAYOUT}")
     if leaf.tentative:
         return ArgumentInfo(path, f"batch dim {leaf.axis}?", shape,
                             f"dims {leaf.batch_dims} all have the batch size: padded calls until a call at another "
                             "size decides (ambiguous_batch_axis)")
     return ArgumentInfo(path, f"batch dim {leaf.axis}", shape,
                         "more rows than max_batch_size (batch_too_large); other sizes in the other dims, another "
-                        "dtype or device (shape_mismatch)")
+                        f"dtype or device: {NEW_LAYOUT}")
 
 
 def _summary(value: Any) -> str:

@@ -110,10 +110,10 @@ class CallSignature:
                         if isinstance(leaf, Constant) and not is_plain_constant(leaf.value)]
         self._tensors = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, TensorEvidence)]
         self._expected: Dict[int, Tuple[Any, ...]] = {}
-        self.buffers = InputBufferManager(max_batch_size=max_batch_size, register_defaults=False)
-        self._slots: Dict[int, InputSlot] = {index: self._register(index) for index in self._tensors}
         self._axes = [(index, self.leaves[index].axis) for index in self._tensors]
-        self._plan = StagingPlan([self._slots[index] for index in self._tensors])
+        self._buffers: Optional[InputBufferManager] = None  # allocated when a call is first staged
+        self._slots: Dict[int, InputSlot] = {}
+        self._plan: Optional[StagingPlan] = None
 
     @classmethod
     def first_call(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any], max_batch_size: int) -> "CallSignature":
@@ -131,6 +131,23 @@ class CallSignature:
             for index, leaf in enumerate(leaves)
         ]
         return cls(structure, kw_names, evidence, batch_leaf, max_batch_size)
+
+    @property
+    def buffers(self) -> InputBufferManager:
+        """The static slots, allocated on first use: a layout that never records holds none."""
+        if self._buffers is None:
+            self._allocate()
+        return self._buffers
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes held by the static slots (0 while none are allocated)."""
+        return sum(slot.tensor.numel() * slot.tensor.element_size() for slot in self._slots.values())
+
+    def _allocate(self) -> None:
+        self._buffers = InputBufferManager(max_batch_size=self.max_batch_size, register_defaults=False)
+        self._slots = {index: self._register(index) for index in self._tensors}
+        self._plan = StagingPlan([self._slots[index] for index in self._tensors])
 
     def _register(self, index: int) -> InputSlot:
         evidence: TensorEvidence = self.leaves[index]
@@ -196,6 +213,8 @@ class CallSignature:
                 if axis:
                     value = value.movedim(axis, 0)
             live.append(value)
+        if self._plan is None:
+            self._allocate()
         if torch.is_grad_enabled():
             with torch.no_grad():  # staging never records autograd
                 self._plan.stage(live, rows, rows)
@@ -204,6 +223,8 @@ class CallSignature:
 
     def static_arguments(self, rows: int) -> StaticCall:
         """The arguments a graph of ``rows`` rows reads: views of the static slots."""
+        if self._plan is None:
+            self._allocate()
         leaves = []
         for index, leaf in enumerate(self.leaves):
             if isinstance(leaf, Constant):
@@ -250,19 +271,33 @@ class CallSignature:
 
     def describe_mismatch(self, leaves: List[Any], structure: Any) -> str:
         """What in a call differs from this signature, naming the argument."""
+        path, why = self.first_difference(leaves, structure)
+        return f"{path}: {why}"
+
+    def first_difference(self, leaves: List[Any], structure: Any) -> Tuple[str, str]:
+        """The first argument path where a call differs from this signature, and how."""
         if structure != self.structure:
-            return (f"args: expected the captured argument structure (keywords {list(self.kw_names)}, "
-                    f"leaves {self.paths})")
+            return "args", (f"expected the captured argument structure (keywords {list(self.kw_names)}, "
+                            f"leaves {self.paths})")
         batch_size = leaves[self.batch_leaf].shape[0] if leaves[self.batch_leaf].dim() else 0
         expected = self._expected_shapes(batch_size)
         for path, value, leaf, shape in zip(self.paths, leaves, self.leaves, expected):
             if isinstance(leaf, Constant):
                 if not same_value(value, leaf.value):
-                    return f"{path}: expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
+                    return path, f"expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
             elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
                 got = f"shape {list(value.shape)} {value.dtype} on {value.device}"
-                return f"{path}: expected {leaf.describe()} with n = {batch_size}, got {got}"
-        return "args: the call fits the signature"
+                return path, f"expected {leaf.describe()} with n = {batch_size}, got {got}"
+        return "args", "the call fits the signature"
+
+    def family(self) -> Tuple[Any, ...]:
+        """What this layout shares with layouts that differ from it only in tensor sizes: structure,
+        keywords, constants, and per tensor its rank, dtype and device (hashable, for churn counts)."""
+        kinds = tuple(
+            _constant_key(leaf.value) if isinstance(leaf, Constant) else (len(leaf.shape), leaf.dtype, leaf.device)
+            for leaf in self.leaves
+        )
+        return self.structure, self.kw_names, kinds
 
     def layout(self) -> Dict[str, Any]:
         """Per argument leaf: its batch dim, "fixed", or "constant" (for stats)."""
@@ -282,6 +317,16 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[
     positional = tuple([flatten(value, leaves) for value in args])
     keywords = tuple([flatten(kwargs[name], leaves) for name in kw_names])
     return leaves, (positional, keywords)
+
+
+def _constant_key(value: Any) -> Any:
+    """A hashable stand-in for a constant leaf: plain values by value, objects by identity."""
+    if is_plain_constant(value):
+        try:
+            return type(value), hash(value), value
+        except TypeError:
+            return type(value), repr(value)
+    return "object", id(value)
 
 
 def _any_tentative(leaves: Sequence[Any]) -> bool:
