@@ -15,7 +15,7 @@ import torch
 
 from graphrt.backends import resolve_backend_name
 from graphrt.batch import CONTEXT_FIELDS, ForwardMode
-from graphrt.piecewise.ops import SplittingOpSpec, resolve_splitting_ops
+from graphrt.piecewise import SplittingOpSpec, resolve_splitting_ops
 from graphrt.sizes import SizeGrid, default_capture_sizes, default_piecewise_sizes, normalize_capture_sizes
 from graphrt.staging import DEFAULT_SLOTS
 from graphrt.stats import histogram_from

@@ -34,8 +34,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from graphrt.backends import graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
-from graphrt.backends.compiled import refuse_compiled_cudagraphs
+from graphrt.backends import (
+    graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
+)
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.dispatch import OutputCutter
 from graphrt.layout.call_signature import CallSignature, StaticCall

@@ -17,15 +17,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from graphrt.backends.compiled import refuse_compiled_cudagraphs
-from graphrt.backends import DISABLE_ENV, graphs_disabled_by_env, make_backend, resolve_backend_name, resolve_device
+from graphrt.backends import (
+    DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
+)
 from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
 from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
 from graphrt.forward_context import use_batch
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
-from graphrt.piecewise.runtime import PiecewiseGraphs
+from graphrt.piecewise import PiecewiseGraphs
 from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis

@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 
 from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends.emulated import EmulatedBackend
 
 BACKEND_NAMES = ("auto", "cuda", "emulated", "eager")
@@ -51,5 +52,5 @@ def make_backend(name: str, device: Optional[torch.device] = None) -> Optional[G
 
 __all__ = [
     "CapturedGraph", "GraphBackend", "EmulatedBackend", "BACKEND_NAMES", "DISABLE_ENV",
-    "graphs_disabled_by_env", "resolve_backend_name", "resolve_device", "make_backend",
+    "graphs_disabled_by_env", "resolve_backend_name", "resolve_device", "make_backend", "refuse_compiled_cudagraphs",
 ]

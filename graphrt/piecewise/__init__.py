@@ -5,7 +5,8 @@
 a step at splitting ops), ``sinks`` (per-backend pieces), ``ops`` (the ``splitting_ops`` option).
 """
 
-from graphrt.piecewise.ops import SplittingOps, resolve_splitting_ops
+from graphrt.piecewise.ops import SplittingOps, SplittingOpSpec, resolve_splitting_ops
+from graphrt.piecewise.runtime import PiecewiseGraphs
 from graphrt.piecewise.split import PiecewiseCaptureError
 
-__all__ = ["PiecewiseCaptureError", "SplittingOps", "resolve_splitting_ops"]
+__all__ = ["PiecewiseCaptureError", "PiecewiseGraphs", "SplittingOpSpec", "SplittingOps", "resolve_splitting_ops"]
