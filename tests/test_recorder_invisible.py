@@ -16,6 +16,7 @@ from torch.overrides import has_torch_function
 
 import graphrt
 from graphrt import wrap
+from graphrt.backends.capture import capture_graph
 from graphrt.backends.emulated import EmulatedBackend
 
 D_MODEL, HEADS, SEQ = 16, 2, 6
@@ -106,7 +107,8 @@ def test_check_reports_the_encoders_host_read_with_both_lines():
     assert not report.ok
     reads = [finding for finding in report.findings if finding.kind == "host_sync"]
     assert reads and "_nested_tensor_from_mask" in reads[0].op
-    assert "transformer.py" in reads[0].message
+    assert "torch/nn/modules/transformer.py" in reads[0].message  # torch's line
+    assert reads[0].source.startswith("tests/test_recorder_invisible.py:")  # the caller's line
 
 
 def observed_flags() -> dict:
@@ -138,8 +140,5 @@ def test_flags_a_model_can_test_read_as_under_a_cuda_capture():
         seen.append(observed_flags())
         return x + 1
 
-    backend = EmulatedBackend()
-    from graphrt.backends.capture import capture_graph
-
-    capture_graph(backend, lambda: [step(torch.ones(2))], warmup_iters=0)
+    capture_graph(EmulatedBackend(), lambda: [step(torch.ones(2))], warmup_iters=0)
     assert seen == [UNDER_CUDA_CAPTURE]
