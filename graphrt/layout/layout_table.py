@@ -45,6 +45,15 @@ class Layout(Generic[Graphs]):
 Found = Tuple[Optional[Layout], List[Any], int]
 
 
+def _match(signature: CallSignature, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[List[Any], int, bool]:
+    """The call's leaves and batch size, and whether it fits ``signature`` (narrowing a tentative one)."""
+    leaves, structure = signature.flatten(args, kwargs)
+    batch_size, matched = signature.match(leaves, structure)
+    if matched and signature.tentative:
+        signature.confirm(leaves, structure)
+    return leaves, batch_size, matched
+
+
 class LayoutTable(Generic[Graphs]):
     """Layouts by recency, found per call in O(1); bounded in number and in churn."""
 
@@ -80,12 +89,8 @@ class LayoutTable(Generic[Graphs]):
         """The layout this call fits (refined or opened if need be), its leaves and batch size."""
         current = self._current
         if current is not None:
-            signature = current.signature
-            leaves, structure = signature.flatten(args, kwargs)
-            batch_size, matched = signature.match(leaves, structure)
+            leaves, batch_size, matched = _match(current.signature, args, kwargs)
             if matched:
-                if signature.tentative:
-                    signature.confirm(leaves, structure)
                 return current, leaves, batch_size
         return self._find_other(args, kwargs)
 
@@ -93,11 +98,8 @@ class LayoutTable(Generic[Graphs]):
         bucket_key = (len(args), frozenset(kwargs))
         bucket = self._buckets.get(bucket_key, ())
         for layout in reversed(bucket):  # most recent first
-            leaves, structure = layout.signature.flatten(args, kwargs)
-            batch_size, matched = layout.signature.match(leaves, structure)
+            leaves, batch_size, matched = _match(layout.signature, args, kwargs)
             if matched:
-                if layout.signature.tentative:
-                    layout.signature.confirm(leaves, structure)
                 return self._use(layout), leaves, batch_size
         for layout in reversed(bucket):
             leaves, structure = layout.signature.flatten(args, kwargs)
