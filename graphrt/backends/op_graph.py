@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextvars
 import operator
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import torch
@@ -114,6 +114,7 @@ class OpRecorder(TorchDispatchMode):
         # Python (a custom op's) sees them as they were, as a CUDA graph keeps its capture's host values.
         self.context: Optional[contextvars.Context] = None
         self._thread = threading.get_ident()
+        self._host_reads_allowed = False
 
     def __enter__(self) -> "OpRecorder":
         with ExitStack() as stack:
@@ -131,13 +132,27 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self._exit_stack.__exit__(*exc_info)
 
+    @contextmanager
+    def host_reads_allowed(self) -> Iterator[None]:
+        """A block whose host reads are no hazard: an op run eagerly outside any graph (a
+        splitting op between graph pieces) may read host values."""
+        self._host_reads_allowed = True
+        try:
+            yield
+        finally:
+            self._host_reads_allowed = False
+
+    def _report_host_read(self, op: str, why: str, args: Sequence[Any]) -> None:
+        if not self._host_reads_allowed:
+            self.on_host_sync(op, why, args)
+
     def _guarded_method(self, name: str) -> Callable[..., Any]:
         """``Tensor.<name>`` that reports a host read when called on the recording thread."""
         method = getattr(torch.Tensor, name)
 
         def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() == self._thread:
-                self.on_host_sync(f"Tensor.{name}", "it copies tensor values to the host", (tensor,))
+                self._report_host_read(f"Tensor.{name}", "it copies tensor values to the host", (tensor,))
             return method(tensor, *args, **kwargs)
 
         return guarded
@@ -148,10 +163,10 @@ class OpRecorder(TorchDispatchMode):
             self.context = contextvars.copy_context()
         why = host_sync_reason(func, args, kwargs)
         if why is not None:
-            self.on_host_sync(str(func), why, args)
+            self._report_host_read(str(func), why, args)
         output = func(*args, **kwargs)
         if _makes_nested(args, output):
-            self.on_host_sync(str(func), "a nested tensor's sizes are read from tensor values", args)
+            self._report_host_read(str(func), "a nested tensor's sizes are read from tensor values", args)
         self.ops.append(RecordedOp(func, args, kwargs, output, model_source_line()))
         return output
 

@@ -9,7 +9,7 @@ watcher piecewise capture uses, so what capture would refuse is reported before 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from graphrt.check.recording import Recording, ScanRecorder, source_text
 from graphrt.piecewise.split import PiecewiseCaptureError, SplitWatcher
@@ -22,20 +22,12 @@ class SplitScanRecorder(ScanRecorder):
     def __init__(self, splitting: Any) -> None:
         super().__init__()
         self.splitting = splitting
-        self._in_split = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         if not self.splitting.match(func):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        self._in_split = True
-        try:
+        with self.host_reads_allowed():
             return super().__torch_dispatch__(func, types, args, kwargs)
-        finally:
-            self._in_split = False
-
-    def on_host_sync(self, op: str, why: str, args: Sequence[Any]) -> None:
-        if not self._in_split:
-            super().on_host_sync(op, why, args)
 
 
 @dataclass

@@ -23,22 +23,11 @@ from graphrt.backends.op_graph import OpRecorder, RecordedOp, build_op_graph
 from graphrt.piecewise.split import SplitCall
 
 
-class _PieceRecorder(OpRecorder):
-    """An OpRecorder whose host-read guard is off while a splitting op runs: that op runs eagerly
-    between pieces (on CUDA outside any capture), where reading host values is allowed."""
-
-    in_split = False
-
-    def on_host_sync(self, op: str, why: str, args: Sequence[Any]) -> None:
-        if not self.in_split:
-            super().on_host_sync(op, why, args)
-
-
 class EmulatedPieces:
     """Records the pass once and cuts the recording at the split points."""
 
     def __init__(self) -> None:
-        self.recorder = _PieceRecorder()
+        self.recorder = OpRecorder()
         self.bounds: List[int] = [0]  # index of the first op of each piece
 
     @contextmanager
@@ -48,11 +37,8 @@ class EmulatedPieces:
 
     def split(self, run: Callable[[], Any]) -> Any:
         self.bounds.append(len(self.recorder.ops))
-        self.recorder.in_split = True
-        try:
+        with self.recorder.host_reads_allowed():  # the op runs eagerly between pieces
             return run()
-        finally:
-            self.recorder.in_split = False
 
     def pieces(self, calls: Sequence[SplitCall], outputs: Sequence[Any]) -> List[CapturedGraph]:
         ops = self.recorder.ops
