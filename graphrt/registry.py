@@ -23,7 +23,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 from graphrt.backends.base import CapturedGraph, GraphBackend
 from graphrt.backends.capture import capture_graph, verify_graph
 from graphrt.batch import ForwardMode
-from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths
+from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.sizes import SizeGrid, build_pad_table
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class GraphRegistry:
         if self.verify:
             start = time.perf_counter()
             try:
-                verify_graph(graph, step)
+                verify_graph(graph, step, same_value)
             except Exception as error:  # a mismatch (VerifyError) or a replay that raised: this key only
                 self._mark_failed(entry, error, GraphStatus.VERIFY_FAILED)
                 return False

@@ -42,10 +42,11 @@ class VerifyError(RuntimeError):
     """A graph's first replay differs from eager on the same inputs: the key must not serve."""
 
 
-def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]]) -> None:
+def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_leaf: Callable[[Any, Any], bool]) -> None:
     """Run ``fn`` eagerly, then replay ``graph``, on the same inputs and state; raise VerifyError
     naming the first output or state region that differs beyond ``torch.testing.assert_close``'s
-    per-dtype tolerance. Every write of both runs is undone. ``fn`` returns the output leaves.
+    per-dtype tolerance. Every write of both runs is undone. ``fn`` returns the output leaves;
+    ``same_leaf(replayed, eager)`` compares its non-tensor leaves (the caller's rule for constants).
 
     This catches what no recording sees: kernels outside the dispatcher, random ops (eager and
     replay draw other numbers), a model whose path differs under capture."""
@@ -59,10 +60,10 @@ def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]]) -> None:
             journal.put_back()
             with journal:  # the emulated replay's writes are journaled; a CUDA replay writes the regions above
                 graph.replay()
-            _compare(expected, list(graph.outputs), [f"output leaf {i}" for i in range(len(expected))])
+            _compare(expected, list(graph.outputs), [f"output leaf {i}" for i in range(len(expected))], same_leaf)
             _compare(expected_state, [region.current() for region in regions],
                      [f"state written by {region.op} at {region.source} ({_describe(region.target)})"
-                      for region in regions])
+                      for region in regions], same_leaf)
         finally:
             journal.restore()
 
@@ -81,8 +82,9 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"tensor {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
-def _compare(expected: Sequence[Any], actual: Sequence[Any], names: Sequence[str]) -> None:
-    """Raise VerifyError at the first pair that differs (tensors within tolerance, others by value or identity)."""
+def _compare(expected: Sequence[Any], actual: Sequence[Any], names: Sequence[str],
+             same_leaf: Callable[[Any, Any], bool]) -> None:
+    """Raise VerifyError at the first pair that differs (tensors within tolerance, others by ``same_leaf``)."""
     for name, want, got in zip(names, expected, actual):
         if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
             try:
@@ -90,12 +92,5 @@ def _compare(expected: Sequence[Any], actual: Sequence[Any], names: Sequence[str
             except AssertionError as error:
                 detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
                 raise VerifyError(f"{name} differs from eager: {detail}") from None
-        elif not (got is want or _same_constant(got, want)):
+        elif not same_leaf(got, want):
             raise VerifyError(f"{name} differs from eager: {got!r} != {want!r}")
-
-
-def _same_constant(got: Any, want: Any) -> bool:
-    try:
-        return bool(got == want) and type(got) is type(want)
-    except Exception:  # an object without a usable ==: identity decided above
-        return False
