@@ -5,13 +5,13 @@ The names here are what a user imports; everything else is importable from its m
 """
 
 from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.capture import CaptureReport
 from graphrt.check import CheckReport, check
 from graphrt.config import RunnerConfig
 from graphrt.debug import StaleOutputError
 from graphrt.forward_context import current_batch
-from graphrt.dispatch import EagerReason
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.registry import CaptureReport, GraphKey
+from graphrt.registry import EagerReason, GraphKey
 from graphrt.runner import GraphRunner
 from graphrt.ubatch import UBatchConfig
 

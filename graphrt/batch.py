@@ -9,9 +9,10 @@ mirrors) or in debug mode.
 from __future__ import annotations
 
 import enum
+import operator
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -55,30 +56,41 @@ class ForwardMode(enum.IntEnum):
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """How one ForwardBatch tensor field is laid out: rows per token or per request."""
+    """One staged ForwardBatch tensor, declared once: rows per token or per request, the dtypes a
+    batch may bring, and its static slot (dtype, and the pad value of rows no request owns)."""
 
     name: str
     per_token: bool
-    dtypes: tuple
+    dtypes: tuple = INDEX_DTYPES
+    slot_dtype: torch.dtype = torch.int64
+    pad_value: int = 0
 
 
-# Tensor fields the runtime stages into static buffers, in staging order.
+# Tensor fields the runtime stages into static buffers, in staging order. Padding rows write KV
+# slot 0 and read request 0 with a sequence length of 1, so they never touch a real request.
 TOKEN_FIELDS = (
-    FieldSpec("input_ids", per_token=True, dtypes=INDEX_DTYPES),
-    FieldSpec("positions", per_token=True, dtypes=INDEX_DTYPES),
-    FieldSpec("out_cache_loc", per_token=True, dtypes=INDEX_DTYPES),
+    FieldSpec("input_ids", per_token=True),
+    FieldSpec("positions", per_token=True),
+    FieldSpec("out_cache_loc", per_token=True),
 )
 REQUEST_FIELDS = (
-    FieldSpec("req_pool_indices", per_token=False, dtypes=INDEX_DTYPES),
-    FieldSpec("seq_lens", per_token=False, dtypes=INDEX_DTYPES),
+    FieldSpec("req_pool_indices", per_token=False),
+    FieldSpec("seq_lens", per_token=False, slot_dtype=torch.int32, pad_value=1),
 )
 EXTEND_FIELDS = (
-    FieldSpec("extend_seq_lens", per_token=False, dtypes=INDEX_DTYPES),
-    FieldSpec("extend_prefix_lens", per_token=False, dtypes=INDEX_DTYPES),
-    FieldSpec("extend_start_loc", per_token=False, dtypes=INDEX_DTYPES),
+    FieldSpec("extend_seq_lens", per_token=False, slot_dtype=torch.int32),
+    FieldSpec("extend_prefix_lens", per_token=False, slot_dtype=torch.int32),
+    FieldSpec("extend_start_loc", per_token=False, slot_dtype=torch.int32),
 )
 DECODE_SPECS = TOKEN_FIELDS + REQUEST_FIELDS
 EXTEND_SPECS = DECODE_SPECS + EXTEND_FIELDS
+
+
+def field_getter(specs: Sequence[FieldSpec]) -> Callable[[Any], tuple]:
+    """The tensors of ``specs`` from a batch, in declaration order, in one C call (the staging hot path)."""
+    return operator.attrgetter(*(spec.name for spec in specs))
+
+
 # The objects every batch of one runner shares; its graphs are bound to them.
 CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
 # Optional multimodal tensors: graphs are captured without them.

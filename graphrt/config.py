@@ -17,11 +17,11 @@ from graphrt.backends import resolve_backend_name
 from graphrt.batch import CONTEXT_FIELDS, ForwardMode
 from graphrt.piecewise import SplittingOpSpec, resolve_splitting_ops
 from graphrt.sizes import SizeGrid, default_capture_sizes, default_piecewise_sizes, normalize_capture_sizes
-from graphrt.staging import DEFAULT_SLOTS
+from graphrt.batch import DECODE_SPECS
 from graphrt.stats import histogram_from
 from graphrt.ubatch import UBatchConfig
 
-DEFAULT_PAD_VALUES = {name: pad for name, _, _, pad in DEFAULT_SLOTS}
+DEFAULT_PAD_VALUES = {spec.name: spec.pad_value for spec in DECODE_SPECS}
 DEFAULT_EXTEND_TOKENS = (64, 128, 256, 512)
 
 

@@ -38,11 +38,13 @@ from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
 from graphrt.batch import ForwardMode, debug_enabled
-from graphrt.dispatch import OutputCutter
+from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.rebind_guard import RebindGuard
-from graphrt.registry import STATUS_REASONS, CaptureReport, EagerReason, GraphEntry, GraphKey, GraphRegistry
+from graphrt.registry import (
+    STATUS_REASONS, EagerReason, GraphEntry, GraphKey, GraphRegistry, merged_summary, replay_or_eager,
+)
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
 
@@ -56,12 +58,26 @@ CHURN_LIMIT = 4  # layouts of one family opened in a row without a recording bef
 
 @dataclass(eq=False)
 class LayoutGraphs:
-    """What one call layout holds: its keys' graphs, their output cutter, warm-up counts."""
+    """What one call layout holds: its keys' graphs and warm-up counts."""
 
     registry: GraphRegistry
-    outputs: OutputCutter
     warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
     exact_logged: bool = False
+
+
+class SignatureStager:
+    """Stages a call into the static slots of one layout (``CallSignature.stage``)."""
+
+    __slots__ = ("signature",)
+
+    def __init__(self, signature: CallSignature) -> None:
+        self.signature = signature
+
+    def stage(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
+        self.signature.stage(leaves, num_tokens)
+
+    def reset(self) -> None:
+        self.signature.buffers.reset()
 
 
 class GraphedCallable:
@@ -97,6 +113,7 @@ class GraphedCallable:
         self._stats = RuntimeStats()
         self.verify = verify
         self.backend = make_backend(self.backend_name, resolve_device(requested, None))
+        self.capturer = KeyCapture(self.backend, warmup_iters, verify)
         if not isinstance(max_signatures, int) or isinstance(max_signatures, bool):
             raise TypeError(f"max_signatures: expected an int >= 1, got {max_signatures!r}")
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
@@ -113,12 +130,13 @@ class GraphedCallable:
         return None if current is None else current.signature
 
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
-        """A new layout's registry (one key per capture size, pending) and output cutter."""
-        registry = GraphRegistry(self.backend, self.warmup_iters, self.verify)
+        """A new layout's registry: one key per capture size, pending."""
+        registry = GraphRegistry(self.copy_outputs, self.debug)
         if self.backend_name != "eager":
+            stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
-                              lambda key: self._make_entry(signature, key))
-        return LayoutGraphs(registry, OutputCutter(registry, self.copy_outputs, self.debug))
+                              lambda key: self._make_entry(signature, stager, key))
+        return LayoutGraphs(registry)
 
     @staticmethod
     def _drop_graphs(graphs: LayoutGraphs) -> None:
@@ -126,7 +144,8 @@ class GraphedCallable:
         graphs.registry.clear()
         graphs.warm_calls.clear()
 
-    def _make_entry(self, signature: CallSignature, key: GraphKey) -> GraphEntry[Optional[StaticCall]]:
+    def _make_entry(self, signature: CallSignature, stager: SignatureStager,
+                    key: GraphKey) -> GraphEntry[Optional[StaticCall]]:
         """A key's entry: ``fn`` on the static-slot arguments its graph reads (set by
         ``_static_inputs`` before its first recording), guarded against rebinding the state of
         object arguments, which may be returned as they are."""
@@ -139,7 +158,8 @@ class GraphedCallable:
             with RebindGuard(objects):
                 return self.fn(*static.args, **static.kwargs)
 
-        entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects))
+        entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects), stager=stager,
+                           count=self._stats.record_graph)
         return entry
 
     @staticmethod
@@ -175,7 +195,7 @@ class GraphedCallable:
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
                 self._static_inputs(signature, entry)
 
-            report = layout.graphs.registry.capture_all(stage_example, progress=self.progress)
+            report = self.capturer.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
             if report.ok:
                 self.layouts.recorded(layout)
             return report
@@ -190,14 +210,14 @@ class GraphedCallable:
                 self._stats.record_size(MODE, batch_size)
             if torch.is_grad_enabled():
                 if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
-                    return self._run_eager(layout, EagerReason.AUTOGRAD, batch_size, args, kwargs)
+                    return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
                 self._warn_grad_mode()
             if layout is None:
-                return self._run_eager(layout, EagerReason.SHAPE_MISMATCH, batch_size, args, kwargs)
+                return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
             if self.backend_name == "eager":
-                return self._run_eager(layout, EagerReason.GRAPHS_DISABLED, batch_size, args, kwargs)
+                return self._run_eager(EagerReason.GRAPHS_DISABLED, layout, batch_size, args, kwargs)
             graphs = layout.graphs
-            decision = graphs.outputs.lookup(MODE, batch_size, batch_size)
+            decision = graphs.registry.lookup(MODE, batch_size, batch_size)
             reason = decision.reason
             padded = None if decision.entry is None else decision.entry.key.num_tokens
             if layout.signature.tentative and padded is not None and batch_size != padded:
@@ -209,18 +229,9 @@ class GraphedCallable:
                 entry = self._exact_size_entry(layout, decision.entry, batch_size)
                 return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
-                return self._run_eager(layout, reason, batch_size, args, kwargs)
-            return self._replay(layout, decision.entry, leaves, batch_size)
-
-    def _replay(self, layout: Layout[LayoutGraphs], entry: GraphEntry[Optional[StaticCall]], leaves: List[Any],
-                batch_size: int) -> Any:
-        """Stage the call's tensors into the static slots, replay, cut the real rows, count."""
-        layout.signature.stage(leaves, batch_size)
-        entry.graph.replay()
-        outputs = layout.graphs.outputs.cut(entry, batch_size, batch_size)
-        entry.hits += 1
-        self._stats.record_graph(batch_size, entry.key.num_tokens)
-        return outputs
+                return self._run_eager(reason, layout, batch_size, args, kwargs)
+            return replay_or_eager(decision.entry, leaves, batch_size, batch_size,
+                                   self._run_eager, layout, batch_size, args, kwargs)
 
     def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
                            leaves: List[Any], args: tuple, kwargs: dict) -> Any:
@@ -231,29 +242,29 @@ class GraphedCallable:
         if warm_calls < self.warmup_iters:
             graphs.warm_calls[entry.key] = warm_calls + 1
             with self.backend.warmup_context():
-                return self._run_eager(layout, EagerReason.WARMUP, batch_size, args, kwargs)
+                return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
         padded = entry.key.num_tokens
-        if batch_size != padded and not graphs.outputs.axes.seen_other_size(MODE, padded, padded):
+        if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
-            return self._run_eager(layout, EagerReason.AXIS_PROBE, batch_size, args, kwargs)
+            return self._run_eager(EagerReason.AXIS_PROBE, layout, batch_size, args, kwargs)
         captured = self._record(layout, entry, leaves, batch_size)
         if not captured and batch_size != padded:
             entry = self._exact_size_entry(layout, entry, batch_size)
             captured = self._record(layout, entry, leaves, batch_size)
         if not captured:  # capture_failed, or verify_failed
-            return self._run_eager(layout, STATUS_REASONS[entry.status], batch_size, args, kwargs)
+            return self._run_eager(STATUS_REASONS[entry.status], layout, batch_size, args, kwargs)
         self.layouts.recorded(layout)
-        decision = graphs.outputs.lookup(MODE, batch_size, batch_size)
+        decision = graphs.registry.lookup(MODE, batch_size, batch_size)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
-            return self._run_eager(layout, decision.reason, batch_size, args, kwargs)
-        return self._replay(layout, entry, leaves, batch_size)
+            return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
+        return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
         """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays."""
         layout.signature.stage(leaves, batch_size)
         self._static_inputs(layout.signature, entry)
         with self.backend.capture_session():
-            return layout.graphs.registry.capture_entry(entry, warmup_iters=0)
+            return self.capturer.capture_entry(layout.graphs.registry, entry, warmup_iters=0)
 
     def _exact_size_entry(self, layout: Layout[LayoutGraphs], failed: GraphEntry, batch_size: int) -> GraphEntry:
         """A key of the call's own size, for a padded capture that failed (logged once per layout)."""
@@ -262,17 +273,20 @@ class GraphedCallable:
             graphs.exact_logged = True
             logger.info("wrap(): capture at the padded size %s failed (%s); calls of %d rows get a graph at "
                         "their own size", failed.key, failed.reason, batch_size)
-        return graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, key))
+        stager = SignatureStager(layout.signature)
+        return graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, stager, key))
 
-    def _run_eager(self, layout: Optional[Layout[LayoutGraphs]], reason: EagerReason, batch_size: int,
+    def _run_eager(self, reason: EagerReason, layout: Optional[Layout[LayoutGraphs]], batch_size: int,
                    args: tuple, kwargs: dict) -> Any:
+        """``fn`` on the caller's arguments, counted under ``reason``; warm-up and probe runs show output axes."""
         self._stats.record_eager(reason, batch_size)
         if reason is EagerReason.AUTOGRAD:
             return self.fn(*args, **kwargs)
         with torch.no_grad():
             outputs = self.fn(*args, **kwargs)
         if reason in _OBSERVED_EAGER:
-            layout.graphs.outputs.observe_eager(MODE, batch_size, batch_size, outputs)
+            layout.graphs.registry.observe_eager(GraphKey(MODE, batch_size, batch_size), batch_size, batch_size,
+                                                 outputs)
         return outputs
 
     def _warn_grad_mode(self) -> None:
@@ -289,21 +303,12 @@ class GraphedCallable:
         """
         result = self._stats.as_dict()
         result["backend"] = self.backend_name
-        merged: Dict[str, Any] = {"key_hits": {}, "captured_keys": [], "failed_keys": {}, "uncut_outputs": {}}
-        layouts = {}
-        for layout in self.layouts.layouts.values():
-            prefix = f"layout{layout.number}:" if layout.number else ""
-            summary = layout.graphs.registry.summary()
-            summary["uncut_outputs"] = layout.graphs.outputs.uncut_outputs
-            for name, value in summary.items():
-                if isinstance(value, list):
-                    merged[name].extend(prefix + key for key in value)
-                else:
-                    merged[name].update({prefix + key: item for key, item in value.items()})
-            layouts[f"layout{layout.number}"] = {"arg_layout": layout.signature.layout(),
-                                                 "captured_keys": summary["captured_keys"],
-                                                 "static_bytes": layout.signature.static_bytes}
-        result.update(merged)
+        held = self.layouts.layouts.values()
+        result.update(merged_summary({f"layout{layout.number}:" if layout.number else "": layout.graphs.registry
+                                      for layout in held}))
+        layouts = {f"layout{layout.number}": {"arg_layout": layout.signature.layout(),
+                                              "captured_keys": layout.graphs.registry.summary()["captured_keys"],
+                                              "static_bytes": layout.signature.static_bytes} for layout in held}
         result["arg_layout"] = self.signature.layout() if self.signature is not None else {}
         result["layouts"] = layouts
         result["signature_changes"] = self.layouts.refined

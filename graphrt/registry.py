@@ -1,45 +1,55 @@
-"""GraphKey, GraphEntry, GraphRegistry: one entry per padded size, looked up in O(1), captured largest first.
+"""GraphKey, GraphEntry, GraphRegistry: the captured keys of one front, found in O(1), each replaying itself.
 
-``GraphRegistry.lookup`` answers every step with a ``Decision``: the entry to replay, or the
-``EagerReason`` the step runs eagerly. A key whose capture fails, or whose replay raises, is
-taken out of use alone; the other keys go on.
+``GraphRegistry.lookup`` answers every step with a ``Decision``: the entry to replay (a key whose
+outputs can be cut to the step's rows) or the ``EagerReason`` the step runs eagerly. A captured
+key is the only thing that runs a replay (``GraphEntry.replay``: stage through its front's stager,
+replay, cut, count), for full graphs, piecewise graphs and ``wrap()`` alike, and
+``replay_or_eager`` is the one rule for a replay that raises.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Generic, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, FrozenSet, Generic, List, Mapping, NamedTuple, Optional, Protocol, Tuple, TypeVar
 
 import torch
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
-    tqdm = None
-
-from graphrt.backends.base import CapturedGraph, GraphBackend
-from graphrt.backends.capture import capture_graph, verify_graph
+from graphrt.backends import CapturedGraph, GraphBackend
 from graphrt.batch import ForwardMode
-from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
+from graphrt.debug import GenerationCounter, guard_outputs
+from graphrt.layout.batch_axes import CannotCut, OutputAxes
+from graphrt.layout.tensor_tree import flatten, unflatten
 from graphrt.sizes import SizeGrid, build_pad_table
 
 logger = logging.getLogger(__name__)
 
 
+class KeyKind(str, enum.Enum):
+    """What a key's graph is: the whole step, or pieces around ops run eagerly (splitting ops)."""
+
+    FULL = "full"
+    PIECEWISE = "piecewise"
+
+
 class GraphKey(NamedTuple):
-    """What a graph was captured for: mode and padded row counts (tokens, requests)."""
+    """What a graph was captured for: mode, padded row counts (tokens, requests) and kind."""
 
     mode: ForwardMode
     num_tokens: int
     num_reqs: int
+    kind: KeyKind = KeyKind.FULL
 
     def __str__(self) -> str:
+        if self.kind is KeyKind.PIECEWISE:
+            return f"piecewise/tokens={self.num_tokens}"
         if self.num_tokens == self.num_reqs:
             return f"{self.mode.name.lower()}/bs={self.num_reqs}"
         return f"{self.mode.name.lower()}/tokens={self.num_tokens},reqs={self.num_reqs}"
+
+
+PIECEWISE_REQS = 1  # a piecewise key is recorded on one dummy request holding all its tokens
 
 
 class GraphStatus(enum.Enum):
@@ -63,7 +73,7 @@ class EagerReason(str, enum.Enum):
     SHAPE_MISMATCH = "shape_mismatch"  # wrap(): the call fits no layout with graphs, and its kind changes every call
     CAPTURE_FAILED = "capture_failed"
     VERIFY_FAILED = "verify_failed"  # the key's first replay differed from eager at capture
-    DISABLED = "disabled"  # an earlier replay of this key raised
+    DISABLED = "disabled"  # an earlier replay of this key raised where eager did not
     UNSUPPORTED_FIELD = "unsupported_field"  # logprobs or multimodal fields: graphs are captured without them
     CONTEXT_MISMATCH = "context_mismatch"  # attn_backend or a pool other than the captured one
     REPLAY_FAILED = "replay_failed"  # the replay raised; the step re-ran eagerly
@@ -77,14 +87,71 @@ class EagerReason(str, enum.Enum):
 StaticInputs = TypeVar("StaticInputs")
 
 
+class Stager(Protocol):
+    """How a front writes one call into a key's static inputs (its own way: a ForwardBatch's
+    fields, the token fields of a piecewise step, a wrapped function's pytree)."""
+
+    def stage(self, entry: "GraphEntry", call: Any, num_tokens: int, num_reqs: int) -> None:
+        """Copy the call's rows into ``entry.static_inputs``, padding the rest (inputs already checked)."""
+
+    def reset(self) -> None:
+        """Every static slot back to its pad value (after a failed step, before a capture)."""
+
+
+class CutOutputs:
+    """The outputs one replay of a key returns for one real size: its static output leaves cut
+    to the real rows (views), rebuilt into the step's structure once."""
+
+    __slots__ = ("leaves", "structure", "value")
+
+    def __init__(self, leaves: List[Any], structure: Any) -> None:
+        self.leaves = leaves
+        self.structure = structure
+        self.value = unflatten(structure, iter(leaves))
+
+    def result(self) -> Any:
+        return self.value
+
+
+class CopiedOutputs(CutOutputs):
+    """``copy_outputs=True``: owned copies, valid after later replays."""
+
+    __slots__ = ()
+
+    def result(self) -> Any:
+        return unflatten(self.structure, iter([leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+                                               for leaf in self.leaves]))
+
+
+class GuardedOutputs(CutOutputs):
+    """Debug mode: views that raise StaleOutputError once a later replay overwrote them."""
+
+    __slots__ = ("counter",)
+
+    def __init__(self, leaves: List[Any], structure: Any, counter: GenerationCounter) -> None:
+        super().__init__(leaves, structure)
+        self.counter = counter
+
+    def result(self) -> Any:
+        return unflatten(self.structure, iter(guard_outputs(self.leaves, self.counter)))
+
+
+def _no_count(real_tokens: int, padded_tokens: int) -> None:
+    """The default replay counter of an entry no front counts (tests, graphrt.check)."""
+
+
 @dataclass(eq=False)
 class GraphEntry(Generic[StaticInputs]):
-    """One key's graph: the padded inputs it reads, the step capture records, and its state."""
+    """One key: the padded inputs its graph reads, the step capture records, how its front stages
+    a call into those inputs, and what it holds once captured (graph, cut outputs, counters)."""
 
     key: GraphKey
     static_inputs: StaticInputs  # views of the static slots at the key's size (a ForwardBatch, or wrap()'s call)
     step: Callable[[], Any]  # the model on static_inputs: what capture records
     passthrough: FrozenSet[int] = frozenset()  # ids of argument objects the step may return as they are
+    stager: Optional[Stager] = None
+    count: Callable[[int, int], None] = _no_count  # the front's counter of one replay (real, padded tokens)
+    record: Optional[Callable[[GraphBackend, Callable[[], Any]], CapturedGraph]] = None  # None: backend.capture
     graph: Optional[CapturedGraph] = None
     status: GraphStatus = GraphStatus.PENDING
     reason: Optional[str] = None
@@ -92,9 +159,18 @@ class GraphEntry(Generic[StaticInputs]):
     verify_seconds: float = 0.0
     pool_bytes: Optional[int] = None
     hits: int = 0
-    result_cache: Dict[Tuple[int, int], Any] = field(default_factory=dict, repr=False)  # real size -> cut outputs
+    cuts: Dict[Tuple[int, int], CutOutputs] = field(default_factory=dict, repr=False)  # real size -> outputs
     output_structure: Any = field(default=None, repr=False)  # how graph.outputs (leaves) rebuild the result
-    outputs_observed: bool = False  # its output shapes are in the batch-axis evidence
+
+    def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
+        """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the
+        registry's lookup prepared), replay, cut the real rows, count."""
+        self.stager.stage(self, call, num_tokens, num_reqs)
+        self.graph.replay()
+        outputs = self.cuts[num_tokens, num_reqs].result()
+        self.hits += 1
+        self.count(num_tokens, self.key.num_tokens)
+        return outputs
 
 
 class Decision(NamedTuple):
@@ -114,216 +190,223 @@ TOO_LARGE = Decision(None, EagerReason.BATCH_TOO_LARGE)
 NO_MODE = Decision(None, EagerReason.MODE_NOT_CAPTURED)
 
 
-def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
-    """``entry.step`` made to return its output leaves, which the backend keeps as the graph's
-    outputs (so tensors inside dataclasses are refreshed too); the structure goes on the entry
-    to rebuild results. A leaf that is neither a tensor, a plain constant nor a passed-through
-    argument object fails the capture with a message naming it."""
-
-    def run() -> List[Any]:
-        leaves: List[Any] = []
-        structure = flatten(entry.step(), leaves)
-        for path, leaf in zip(leaf_paths(structure, "output"), leaves):
-            if not isinstance(leaf, torch.Tensor) and not is_plain_constant(leaf) and id(leaf) not in entry.passthrough:
-                kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
-                raise TypeError(
-                    f"{path} is a {kind}, not a tensor pytree: a graph can return only tensors (in tuples, lists, "
-                    "dicts or dataclasses), plain constants, and objects passed in as arguments; return the "
-                    f"tensors you need from the {type(leaf).__name__} instead"
-                )
-        entry.output_structure = structure
-        return leaves
-
-    return run
+def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int,
+                    run_eager: Optional[Callable[..., Any]], *eager_args: Any) -> Any:
+    """Replay ``entry``; the one rule for a replay that raises. The static slots go back to their
+    pad values (no value of the failed step stays for a later step or capture), then the step runs
+    eagerly (``run_eager(EagerReason.REPLAY_FAILED, *eager_args)``). If eager raises too, the input
+    was at fault: its error surfaces and the key stays in use. If eager succeeds, the graph was at
+    fault: the key is disabled. Without ``run_eager`` (lockstep: the peers replayed) the key is
+    disabled and the replay's error surfaces."""
+    try:
+        return entry.replay(call, num_tokens, num_reqs)
+    except Exception as replay_error:
+        entry.stager.reset()
+        why = f"replay raised {type(replay_error).__name__}: {replay_error}"
+        if run_eager is None:
+            disable(entry, why)
+            raise
+        result = run_eager(EagerReason.REPLAY_FAILED, *eager_args)  # raises: the input's fault, the key stays
+        disable(entry, f"{why} (the same step ran eagerly)")
+        return result
 
 
-@dataclass
-class KeyReport:
-    """Capture outcome of one key."""
-
-    key: GraphKey
-    ok: bool
-    seconds: float
-    pool_bytes: Optional[int]
-    reason: Optional[str] = None
-    verify_seconds: float = 0.0  # part of ``seconds``: the eager run and replay that verified the graph
-    pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
-
-
-@dataclass
-class CaptureReport:
-    """Per-key capture outcomes, largest key first."""
-
-    keys: List[KeyReport] = field(default_factory=list)
-
-    @property
-    def ok(self) -> List[GraphKey]:
-        return [report.key for report in self.keys if report.ok]
-
-    @property
-    def failed(self) -> Dict[GraphKey, str]:
-        return {report.key: report.reason or "" for report in self.keys if not report.ok}
-
-    @property
-    def seconds(self) -> float:
-        return sum(report.seconds for report in self.keys)
-
-    @property
-    def pool_bytes(self) -> int:
-        return sum(report.pool_bytes or 0 for report in self.keys)
-
-    @property
-    def verify_seconds(self) -> float:
-        return sum(report.verify_seconds for report in self.keys)
-
-    def __str__(self) -> str:
-        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'pool MiB':>9} {'pieces':>6}  reason"]
-        for report in self.keys:
-            pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
-            status = "ok" if report.ok else "failed"
-            pieces = "-" if report.pieces is None else str(report.pieces)
-            lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {report.verify_seconds:>8.3f} "
-                         f"{pool:>9} {pieces:>6}  {report.reason or ''}")
-        return "\n".join(lines)
+def disable(entry: GraphEntry, reason: str) -> None:
+    """Take ``entry`` out of use (its steps run eagerly) and drop its graph."""
+    entry.status, entry.reason, entry.graph = GraphStatus.DISABLED, reason, None
+    entry.cuts.clear()
+    logger.warning("graph %s disabled: %s", entry.key, reason)
 
 
 class GraphRegistry:
-    """Holds one GraphEntry per key; captures them through a backend, largest first."""
+    """One GraphEntry per key, lookup tables per (mode, kind), and the batch axes of the outputs
+    (learned from captured graphs and eager runs) that decide how a padded replay is cut."""
 
-    def __init__(self, backend: Optional[GraphBackend], warmup_iters: int = 2, verify: bool = True) -> None:
-        self.backend = backend
-        self.warmup_iters = warmup_iters
-        self.verify = verify
+    def __init__(self, copy_outputs: bool = False, debug: bool = False) -> None:
+        self.copy_outputs = copy_outputs
+        self.debug = debug
         self.entries: Dict[GraphKey, GraphEntry] = {}
-        self.grids: Dict[ForwardMode, Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
-        self._by_rows: Dict[ForwardMode, List[Optional[GraphEntry]]] = {}
+        self.grids: Dict[Tuple[ForwardMode, KeyKind], Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
+        self._by_rows: Dict[Tuple[ForwardMode, KeyKind], List[Optional[GraphEntry]]] = {}
+        self.axes = OutputAxes()
+        self.uncut_outputs: Dict[str, str] = {}  # key -> why its padded outputs cannot be cut
+        self._generations: Dict[GraphKey, GenerationCounter] = {}
 
-    def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_entry: Callable[[GraphKey], GraphEntry]) -> None:
+    # ---- keys ---------------------------------------------------------------------------------
+
+    def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_entry: Callable[[GraphKey], GraphEntry],
+                 kind: KeyKind = KeyKind.FULL) -> None:
         """Register every key of ``grid`` for ``mode`` (pending capture) and precompute its padded-size tables."""
-        self.grids[mode] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
+        self.grids[mode, kind] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
         for num_tokens, num_reqs in grid.pairs():
-            key = GraphKey(mode, num_tokens, num_reqs)
+            key = GraphKey(mode, num_tokens, num_reqs, kind)
             self.entries[key] = make_entry(key)
         if grid.diagonal:
             padded = build_pad_table(grid.token_sizes)
-            self._by_rows[mode] = [self.entries[GraphKey(mode, size, size)] for size in padded]
+            self._by_rows[mode, kind] = [self.entries[GraphKey(mode, size, size, kind)] for size in padded]
 
     def add_size(self, mode: ForwardMode, size: int, make_entry: Callable[[GraphKey], GraphEntry]) -> GraphEntry:
         """Register the diagonal key (size, size) beside ``mode``'s grid, keeping its other keys and
         graphs: calls of exactly ``size`` rows use it from now on (a size padding cannot serve)."""
-        grid = self.grids[mode][0]
+        table = (mode, KeyKind.FULL)
+        grid = self.grids[table][0]
         sizes = sorted({*grid.token_sizes, size})
         key = GraphKey(mode, size, size)
         entry = self.entries[key] = make_entry(key)
-        table = build_pad_table(sizes)
-        self.grids[mode] = (SizeGrid.for_decode(sizes), table, table)
-        self._by_rows[mode] = [self.entries[GraphKey(mode, padded, padded)] for padded in table]
+        pad_table = build_pad_table(sizes)
+        self.grids[table] = (SizeGrid.for_decode(sizes), pad_table, pad_table)
+        self._by_rows[table] = [self.entries[GraphKey(mode, padded, padded)] for padded in pad_table]
         return entry
 
-    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int) -> Decision:
-        """The entry whose key pads (num_tokens, num_reqs) least, in O(1), if it is ready; else why not."""
-        by_rows = self._by_rows.get(mode)
-        if by_rows is not None:  # diagonal grid: one list index
-            if num_tokens >= len(by_rows):
-                return TOO_LARGE
-            entry = by_rows[num_tokens]
-        else:
-            grid_tables = self.grids.get(mode)
-            if grid_tables is None:
-                return NO_MODE
-            _, token_table, req_table = grid_tables
-            if num_tokens >= len(token_table) or num_reqs >= len(req_table):
-                return TOO_LARGE
-            entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs]))
-            if entry is None:
-                return TOO_LARGE
-        if entry.status is GraphStatus.READY:
-            return Decision(entry, None)
-        return Decision(entry, STATUS_REASONS[entry.status])
-
-    def capture_all(
-        self, before_capture: Optional[Callable[[GraphEntry], None]] = None, progress: bool = True
-    ) -> CaptureReport:
-        """Capture every pending key, largest first; ``before_capture`` runs before each key's
-        warm-up. A key whose capture raises is marked FAILED with the reason and the others go on.
-        KeyboardInterrupt stops the loop, keeps the keys already captured and propagates."""
-        report = CaptureReport()
-        pending = sorted(
-            (entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
-            key=lambda entry: (entry.key.num_tokens, entry.key.num_reqs, entry.key.mode),
-            reverse=True,
-        )
-        with self.backend.capture_session():
-            if progress and tqdm is not None:
-                pending = tqdm(pending, desc=f"capturing {self.backend.name} graphs")
-            for entry in pending:
-                start = time.perf_counter()
-                try:
-                    if before_capture is not None:
-                        before_capture(entry)
-                except Exception as error:  # a failed capture disables only this key
-                    self._mark_failed(entry, error)
-                else:
-                    self.capture_entry(entry, self.warmup_iters)
-                entry.seconds = time.perf_counter() - start
-                report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
-                                             entry.pool_bytes, entry.reason, entry.verify_seconds))
-        return report
-
-    def capture_entry(self, entry: GraphEntry, warmup_iters: int) -> bool:
-        """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
-        write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
-        the reason (its steps run eagerly). True when READY."""
-        step = recorded_step(entry)
-        try:
-            graph = capture_graph(self.backend, step, warmup_iters)
-        except Exception as error:  # a failed capture disables only this key
-            self._mark_failed(entry, error)
-            return False
-        if self.verify:
-            start = time.perf_counter()
-            try:
-                verify_graph(graph, step, same_value)
-            except Exception as error:  # a mismatch (VerifyError) or a replay that raised: this key only
-                self._mark_failed(entry, error, GraphStatus.VERIFY_FAILED)
-                return False
-            finally:
-                entry.verify_seconds = time.perf_counter() - start
-        entry.graph, entry.status, entry.pool_bytes = graph, GraphStatus.READY, graph.pool_bytes
-        return True
-
-    def _mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED) -> None:
-        entry.status, entry.reason = status, f"{type(error).__name__}: {error}"
-        logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
-
-    def disable(self, key: GraphKey, reason: str) -> None:
-        """Take ``key`` out of use (its steps run eagerly) and drop its graph."""
-        entry = self.entries[key]
-        entry.status, entry.reason, entry.graph = GraphStatus.DISABLED, reason, None
-        entry.result_cache.clear()
-        logger.warning("graph %s disabled: %s", key, reason)
-
     def remove_mode(self, mode: ForwardMode) -> None:
-        """Forget every key of ``mode`` and its lookup tables; dropped graphs free their memory."""
-        for key in [key for key in self.entries if key.mode is mode]:
+        """Forget every full-graph key of ``mode`` and its tables; dropped graphs free their memory."""
+        for key in [key for key in self.entries if key.mode is mode and key.kind is KeyKind.FULL]:
             del self.entries[key]
-        self.grids.pop(mode, None)
-        self._by_rows.pop(mode, None)
-
-    def summary(self) -> Dict[str, Any]:
-        """Per-key counters for ``stats()``: replays per key, captured keys, and why keys are out of use."""
-        return {
-            "key_hits": {str(key): entry.hits for key, entry in self.entries.items() if entry.hits},
-            "captured_keys": [str(key) for key in self.ready_keys()],
-            "failed_keys": {str(key): entry.reason for key, entry in self.entries.items() if entry.reason is not None},
-        }
-
-    def ready_keys(self) -> List[GraphKey]:
-        """Keys whose graph replays."""
-        return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
+        self.grids.pop((mode, KeyKind.FULL), None)
+        self._by_rows.pop((mode, KeyKind.FULL), None)
 
     def clear(self) -> None:
         """Forget every entry and graph (their pool memory returns when the graphs are freed)."""
         self.entries.clear()
         self.grids.clear()
         self._by_rows.clear()
+
+    def pending(self) -> List[GraphEntry]:
+        """Keys waiting for capture, largest first (smaller graphs reuse the largest one's pool blocks)."""
+        return sorted((entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
+                      key=lambda entry: (entry.key.num_tokens, entry.key.num_reqs, entry.key.mode), reverse=True)
+
+    # ---- per step -------------------------------------------------------------------------------
+
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int, kind: KeyKind = KeyKind.FULL) -> Decision:
+        """The entry whose key pads (num_tokens, num_reqs) least, in O(1), if it is ready and its
+        outputs can be cut to these rows; else why the step runs eagerly."""
+        by_rows = self._by_rows.get((mode, kind))
+        if by_rows is not None:  # diagonal grid: one list index
+            if num_tokens >= len(by_rows):
+                return TOO_LARGE
+            entry = by_rows[num_tokens]
+        else:
+            grid_tables = self.grids.get((mode, kind))
+            if grid_tables is None:
+                return NO_MODE
+            _, token_table, req_table = grid_tables
+            if num_tokens >= len(token_table) or num_reqs >= len(req_table):
+                return TOO_LARGE
+            entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs], kind))
+            if entry is None:
+                return TOO_LARGE
+        if entry.status is not GraphStatus.READY:
+            return Decision(entry, STATUS_REASONS[entry.status])
+        if (num_tokens, num_reqs) not in entry.cuts:
+            reason = self.prepare_cut(entry, num_tokens, num_reqs)
+            if reason is not None:
+                return Decision(entry, reason)
+        return Decision(entry, None)
+
+    def prepare_cut(self, entry: GraphEntry, num_tokens: int, num_reqs: int) -> Optional[EagerReason]:
+        """Cut ``entry``'s outputs to these real rows once (cached on the entry), or say why not."""
+        if (num_tokens, num_reqs) in entry.cuts:
+            return None
+        key = entry.key
+        if str(key) in self.uncut_outputs:
+            return EagerReason.UNSLICEABLE_OUTPUT
+        plan = self.axes.plan((key.kind, key.mode), entry.output_structure)
+        if isinstance(plan, CannotCut):
+            if not plan.final:
+                return EagerReason.AXIS_PROBE  # an eager run of this size will show the axes
+            self.uncut_outputs[str(key)] = plan.message
+            logger.warning("padded steps of %s run eagerly: %s", key, plan.message)
+            return EagerReason.UNSLICEABLE_OUTPUT
+        if plan.tokens_equal_requests and num_tokens != num_reqs:
+            return EagerReason.AXIS_PROBE
+        self._set_cut(entry, num_tokens, num_reqs, plan.apply(entry.graph.outputs, num_tokens, num_reqs))
+        return None
+
+    def _set_cut(self, entry: GraphEntry, num_tokens: int, num_reqs: int, leaves: List[Any]) -> None:
+        structure = entry.output_structure
+        if self.copy_outputs:
+            cut: CutOutputs = CopiedOutputs(leaves, structure)
+        elif self.debug:
+            counter = self._generations.get(entry.key)
+            if counter is None:
+                counter = self._generations[entry.key] = GenerationCounter(str(entry.key))
+            cut = GuardedOutputs(leaves, structure, counter)
+        else:
+            cut = CutOutputs(leaves, structure)
+        entry.cuts[num_tokens, num_reqs] = cut
+
+    # ---- capture outcomes ---------------------------------------------------------------------
+
+    def mark_ready(self, entry: GraphEntry, graph: CapturedGraph) -> None:
+        """``entry`` replays ``graph`` from now on; its output shapes join the batch-axis evidence."""
+        key = entry.key
+        entry.graph, entry.status, entry.pool_bytes, entry.reason = graph, GraphStatus.READY, graph.pool_bytes, None
+        entry.cuts.clear()
+        self.axes.observe((key.kind, key.mode), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
+        self._set_cut(entry, key.num_tokens, key.num_reqs, list(graph.outputs))
+
+    def mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED) -> None:
+        """``entry``'s capture failed: its steps run eagerly, with the reason kept."""
+        entry.status, entry.reason = status, f"{type(error).__name__}: {error}"
+        logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
+
+    def disable(self, key: GraphKey, reason: str) -> None:
+        """Take ``key`` out of use (its steps run eagerly) and drop its graph."""
+        disable(self.entries[key], reason)
+
+    # ---- eager runs ---------------------------------------------------------------------------
+
+    def observe_eager(self, key: GraphKey, num_tokens: int, num_reqs: int, outputs: Any) -> None:
+        """Learn output batch axes from an eager run of ``key``'s kind and mode (warm-up, probe)."""
+        leaves: List[Any] = []
+        structure = flatten(outputs, leaves)
+        self.axes.observe((key.kind, key.mode), num_tokens, num_reqs, structure, leaves)
+
+    def seen_other_size(self, key: GraphKey) -> bool:
+        """Whether outputs of ``key``'s kind and mode were seen at a size other than the key's."""
+        return self.axes.seen_other_size((key.kind, key.mode), key.num_tokens, key.num_reqs)
+
+    def cut_eager(self, key: GraphKey, outputs: Any, num_tokens: int, num_reqs: int) -> Any:
+        """Outputs of an eager run at ``key``'s padded size without the padding rows (lockstep)."""
+        leaves: List[Any] = []
+        structure = flatten(outputs, leaves)
+        group = (key.kind, key.mode)
+        self.axes.observe(group, key.num_tokens, key.num_reqs, structure, leaves)
+        if (num_tokens, num_reqs) == (key.num_tokens, key.num_reqs):
+            return outputs
+        plan = self.axes.plan(group, structure)
+        if isinstance(plan, CannotCut):
+            raise ValueError(f"outputs of the padded eager step at {key}: cannot cut them to {num_tokens} real "
+                             f"rows: {plan.message}; capture at least two sizes per mode")
+        return unflatten(structure, iter(plan.apply(leaves, num_tokens, num_reqs)))
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def summary(self, prefix: str = "") -> Dict[str, Any]:
+        """Per-key counters for ``stats()``: replays per key, captured keys, why keys are out of use,
+        and why padded outputs of a key cannot be cut; key names start with ``prefix``."""
+        return {
+            "key_hits": {prefix + str(key): entry.hits for key, entry in self.entries.items() if entry.hits},
+            "captured_keys": [prefix + str(key) for key in self.ready_keys()],
+            "failed_keys": {prefix + str(key): entry.reason for key, entry in self.entries.items()
+                            if entry.reason is not None},
+            "uncut_outputs": {prefix + key: why for key, why in self.uncut_outputs.items()},
+        }
+
+    def ready_keys(self) -> List[GraphKey]:
+        """Keys whose graph replays."""
+        return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
+
+
+def merged_summary(registries: Mapping[str, GraphRegistry]) -> Dict[str, Any]:
+    """Several registries' ``summary()`` as one, each key named with its registry's prefix
+    (``wrap()`` holds one registry per call layout: ``layout1:decode/bs=4``)."""
+    merged = GraphRegistry().summary()
+    for prefix, registry in registries.items():
+        for name, value in registry.summary(prefix).items():
+            if isinstance(value, list):
+                merged[name].extend(value)
+            else:
+                merged[name].update(value)
+    return merged

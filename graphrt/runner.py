@@ -20,14 +20,17 @@ import torch
 from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
-from graphrt.batch import ForwardBatch, ForwardMode, debug_enabled
+from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled
+from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
-from graphrt.dispatch import EXTEND_STAGED, Dispatcher, OutputCutter, static_batch_for, with_context
+from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batch_for, with_context
 from graphrt.forward_context import use_batch
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
-from graphrt.piecewise import PiecewiseGraphs
-from graphrt.registry import CaptureReport, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry
+from graphrt.piecewise import add_piecewise_keys
+from graphrt.registry import (
+    PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind, replay_or_eager,
+)
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis
 from graphrt.stats import RuntimeStats, load_histogram, save_histogram
@@ -67,16 +70,19 @@ class GraphRunner:
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
-        self.registry = GraphRegistry(make_backend(self.backend_name, self.device), config.warmup_iters, config.verify)
-        self.dispatcher = Dispatcher(
-            self.buffers, self.context, OutputCutter(self.registry, config.copy_outputs, self.debug), self._stats,
-            graphs_enabled=self.backend_name != "eager",
-        )
+        self.backend = make_backend(self.backend_name, self.device)
+        self.registry = GraphRegistry(config.copy_outputs, self.debug)
+        self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify)
+        self._stagers = {False: DecodeStager(self.buffers, self.context)}
+        if "extend_start_loc" in self.buffers.slots:
+            self._stagers[True] = ExtendStager(self.buffers, self.context)
         for mode in self._graph_modes:
             grid = config.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
             self.registry.add_grid(mode, grid, self._make_entry)
         self._ubatch = self._make_ubatch()
-        self.piecewise = self._make_piecewise()
+        self.piecewise = self._add_piecewise_keys()
+        self.dispatcher = Dispatcher(self.registry, self.context, graphs_enabled=self.backend_name != "eager",
+                                     piecewise=self.piecewise)
         if self.lockstep is not None:
             self.lockstep.bind_keys(list(self.registry.entries))
         self._lock = threading.Lock()
@@ -128,9 +134,8 @@ class GraphRunner:
         buffers.register_slot("seq_lens_cpu", BufferSpec((max_batch_size,), torch.int32, torch.device("cpu")),
                               axis=RowAxis.REQUESTS, pad_value=self.pad_values["seq_lens"])
         if extend:
-            for name in EXTEND_STAGED:
-                spec = BufferSpec((max_batch_size,), torch.int32, self.device)
-                buffers.register_slot(name, spec, axis=RowAxis.REQUESTS, pad_value=0)
+            for spec in EXTEND_FIELDS:
+                buffers.register_field(spec)
         return buffers
 
     def _make_entry(self, key: GraphKey) -> GraphEntry[ForwardBatch]:
@@ -145,17 +150,17 @@ class GraphRunner:
             with use_batch(frozen):
                 return self.model(static.input_ids, static.positions, static)
 
-        return GraphEntry(key, static, step)
+        stager = self._stagers[key.mode.is_extend()]
+        return GraphEntry(key, static, step, stager=stager, count=self._stats.record_graph)
 
-    def _make_piecewise(self) -> Optional[PiecewiseGraphs]:
+    def _add_piecewise_keys(self) -> bool:
         """Piecewise keys when splitting ops are set (single rank: lockstep steps never take them)."""
         config = self.config
         if not config.splitting_ops or self.backend_name == "eager" or self.lockstep is not None:
-            return None
-        return PiecewiseGraphs(
-            self.model, self.registry.backend, config.splitting_ops, config.piecewise_sizes, self.buffers,
-            self.context, self._stats, config.warmup_iters, config.verify, config.copy_outputs, self.debug,
-        )
+            return False
+        add_piecewise_keys(self.registry, self.model, config.splitting_ops, config.piecewise_sizes, self.buffers,
+                           self.context, self._stats)
+        return True
 
     def _make_ubatch(self) -> Optional[UBatchWrapper]:
         """Split decode batches above the largest capture size into graph-hitting micro-batches."""
@@ -172,15 +177,15 @@ class GraphRunner:
             logger.info("graphs are off (backend eager or %s=1): nothing to capture", DISABLE_ENV)
             return CaptureReport()
         with self._lock:
-            report = self.registry.capture_all(self.prepare_capture(), progress=self.config.progress)
-            if self.piecewise is not None:
-                report.keys.extend(self.piecewise.capture(progress=self.config.progress).keys)
+            report = self.capturer.capture_all(self.registry, self.prepare_capture(), progress=self.config.progress)
         logger.info("captured %d graphs in %.2fs (%d failed)", len(report.ok), report.seconds, len(report.failed))
         return report
 
     def prepare_capture(self) -> Callable[[GraphEntry], None]:
         """Allocate the attention backend's graph state (once), then return the hook that runs
-        before each key's warm-up and capture (``graphrt.check`` records keys after it too)."""
+        before each key's warm-up and capture (``graphrt.check`` records keys after it too): the
+        static slots back to their pad values (slots no request owns), then, for a full graph, the
+        attention backend's capture hook."""
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
         if init_graph_state is not None and not self._graph_state_ready:
@@ -190,7 +195,8 @@ class GraphRunner:
         capture_hook = getattr(attn_backend, "init_forward_metadata_capture", None)
 
         def before_capture(entry: GraphEntry[ForwardBatch]) -> None:
-            if capture_hook is not None:
+            self.buffers.reset()
+            if capture_hook is not None and entry.key.kind is KeyKind.FULL:
                 capture_hook(entry.static_inputs)
 
         return before_capture
@@ -290,48 +296,46 @@ class GraphRunner:
         self, batch: ForwardBatch, agreed: Optional[StepAgreement] = None, local_reason: Optional[EagerReason] = None
     ) -> Any:
         """One validated batch (a whole step, or one micro-batch of it): replay, else eager.
+        ``current_batch()`` is ``batch`` throughout (the splitting ops of a piecewise key read it).
 
         In lockstep (``agreed``) every rank takes the same path at the agreed size: an eager step
         is padded to it, and a replay that raises is not redone eagerly (the peers replayed).
         """
-        if agreed is None:
-            decision = self.dispatcher.decide(batch)
-            if decision.reason is not None and self.piecewise is not None:
-                decision = self.piecewise.decide(batch, decision)
+        with use_batch(batch):
+            if agreed is None:
+                decision = self.dispatcher.decide(batch)
+                run_eager = self._run_eager
+            else:
+                decision = agreed.decide(self.registry.lookup, local_reason)
+                run_eager = None
                 if decision.reason is None:
-                    return self._replay_piecewise(decision.entry, batch)
-        else:
-            decision = agreed.decide(self.dispatcher.outputs.lookup, local_reason)
-        if decision.reason is None:
-            try:
-                return self.dispatcher.replay(decision.entry, batch)
-            except Exception as error:  # a replay that raises: take the key out of use
-                self.registry.disable(decision.entry.key, f"replay raised {type(error).__name__}: {error}")
-                if agreed is not None:
-                    raise
-                decision = Decision(None, EagerReason.REPLAY_FAILED)
-        return self._run_eager(batch, decision.reason, agreed)
+                    self._check_cut(decision.entry, batch)
+            entry = decision.entry
+            if decision.reason is not None:
+                return self._run_eager(decision.reason, batch, agreed, entry)
+            num_reqs = batch.batch_size if entry.key.kind is KeyKind.FULL else PIECEWISE_REQS
+            return replay_or_eager(entry, batch, batch.num_tokens, num_reqs, run_eager, batch, agreed)
 
-    def _replay_piecewise(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch) -> Any:
-        """Replay a piecewise key; one that raises is taken out of use and the step runs eagerly."""
-        try:
-            return self.piecewise.replay(entry, batch)
-        except Exception as error:
-            self.piecewise.registry.disable(entry.key, f"replay raised {type(error).__name__}: {error}")
-            return self._run_eager(batch, EagerReason.REPLAY_FAILED, None)
+    def _check_cut(self, entry: GraphEntry, batch: ForwardBatch) -> None:
+        """Lockstep replays at the agreed size: the real rows of this rank must be cuttable."""
+        reason = self.registry.prepare_cut(entry, batch.num_tokens, batch.batch_size)
+        if reason is not None:
+            raise ValueError(f"graph {entry.key}: its outputs cannot be cut to {batch.num_tokens} real rows "
+                             f"({reason.value}); capture at least two sizes per mode")
 
-    def _run_eager(self, batch: ForwardBatch, reason: EagerReason, agreed: Optional[StepAgreement]) -> Any:
+    def _run_eager(self, reason: EagerReason, batch: ForwardBatch, agreed: Optional[StepAgreement] = None,
+                   entry: Optional[GraphEntry] = None) -> Any:
         """The model on ``batch`` eagerly; in lockstep padded to the agreed size, then cut to the real rows."""
         self._stats.record_eager(reason, batch.num_tokens)
-        outputs = self.dispatcher.outputs
         if agreed is None:
             result = self._forward_eager(batch)
             if reason is EagerReason.AXIS_PROBE:
-                outputs.observe_eager(batch.forward_mode, batch.num_tokens, batch.batch_size, result)
+                num_reqs = batch.batch_size if entry.key.kind is KeyKind.FULL else PIECEWISE_REQS
+                self.registry.observe_eager(entry.key, batch.num_tokens, num_reqs, result)
             return result
         padded = pad_forward_batch(batch, agreed.num_tokens, agreed.num_reqs, self.pad_values)
         key = GraphKey(agreed.mode, agreed.num_tokens, agreed.num_reqs)
-        return outputs.cut_eager(key, self._forward_eager(padded), batch.num_tokens, batch.batch_size)
+        return self.registry.cut_eager(key, self._forward_eager(padded), batch.num_tokens, batch.batch_size)
 
     def _forward_eager(self, batch: ForwardBatch) -> Any:
         """The model on ``batch`` as given, with the runner's context objects filled in."""
@@ -348,11 +352,5 @@ class GraphRunner:
         result["backend"] = self.backend_name
         result["capture_sizes"] = list(self.capture_sizes)
         result.update(self.registry.summary())
-        if self.piecewise is not None:
-            piecewise = self.piecewise.summary()
-            result["key_hits"].update(piecewise["key_hits"])
-            result["captured_keys"] += piecewise["captured_keys"]
-            result["failed_keys"].update(piecewise["failed_keys"])
-        result["uncut_outputs"] = dict(self.dispatcher.outputs.uncut_outputs)
         result["static_input_bytes"] = self.buffers.static_bytes()
         return result

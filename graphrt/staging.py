@@ -15,6 +15,8 @@ from typing import Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from graphrt.batch import DECODE_SPECS, FieldSpec
+
 
 @dataclass(frozen=True)
 class BufferSpec:
@@ -60,7 +62,7 @@ class InputSlot:
     tensor: torch.Tensor
     axis: RowAxis = RowAxis.TOKENS
     pad_value: float = 0
-    is_static: bool = True
+    is_static: bool = True  # False: scratch staged beside the graph inputs, which no graph reads
     high_water: int = 0
     _views: List[Optional[torch.Tensor]] = field(default_factory=list, repr=False)
 
@@ -113,16 +115,12 @@ class InputSlot:
             self.tensor[live_rows : self.high_water].fill_(self.pad_value)
         self.high_water = live_rows
 
-
-# The decode fields of a ForwardBatch: (name, dtype, rows, pad value). Padding rows write KV
-# slot 0 and read request 0 with a sequence length of 1, so they never touch a real request.
-DEFAULT_SLOTS = (
-    ("input_ids", torch.int64, RowAxis.TOKENS, 0),
-    ("positions", torch.int64, RowAxis.TOKENS, 0),
-    ("out_cache_loc", torch.int64, RowAxis.TOKENS, 0),
-    ("req_pool_indices", torch.int64, RowAxis.REQUESTS, 0),
-    ("seq_lens", torch.int32, RowAxis.REQUESTS, 1),
-)
+    def reset(self) -> None:
+        """The pad value in every row (a fixed slot: the whole tensor)."""
+        if self.axis is RowAxis.FIXED:
+            self.tensor.fill_(self.pad_value)
+        else:
+            self.pad(0)
 
 
 class InputBufferManager:
@@ -150,10 +148,16 @@ class InputBufferManager:
             self._init_default_slots()
 
     def _init_default_slots(self) -> None:
-        """The decode fields of a ForwardBatch (``DEFAULT_SLOTS``)."""
-        for name, dtype, axis, pad in DEFAULT_SLOTS:
-            rows = self.max_seq_len if axis is RowAxis.TOKENS else self.max_batch_size
-            self.register_slot(name, BufferSpec((rows,), dtype, self.device), axis=axis, pad_value=pad)
+        """The decode fields of a ForwardBatch, as ``graphrt.batch`` declares them."""
+        for spec in DECODE_SPECS:
+            self.register_field(spec)
+
+    def register_field(self, spec: FieldSpec) -> InputSlot:
+        """The static slot of one declared ForwardBatch field: its dtype, rows and pad value."""
+        rows = self.max_seq_len if spec.per_token else self.max_batch_size
+        axis = RowAxis.TOKENS if spec.per_token else RowAxis.REQUESTS
+        return self.register_slot(spec.name, BufferSpec((rows,), spec.slot_dtype, self.device), axis=axis,
+                                  pad_value=spec.pad_value)
 
     def register_slot(
         self,
@@ -213,8 +217,15 @@ class InputBufferManager:
         return result
 
     def static_bytes(self) -> int:
-        """Bytes held by static input tensors: one maximum batch, whatever the number of keys."""
-        return sum(slot.spec.size_bytes() for slot in self.slots.values())
+        """Bytes held by static input tensors: one maximum batch, whatever the number of keys
+        (slots registered with ``is_static=False``, scratch no graph reads, are not counted)."""
+        return sum(slot.spec.size_bytes() for slot in self.slots.values() if slot.is_static)
+
+    def reset(self) -> None:
+        """Every slot back to its pad value: no value of an earlier step stays where a capture or a
+        later padded step reads it."""
+        for slot in self.slots.values():
+            slot.reset()
 
     def release_all(self) -> None:
         """Give every slot's tensor back to its pool (if any) and forget the slots."""

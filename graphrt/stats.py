@@ -138,3 +138,4 @@ def histogram_from(source: Union[Mapping[Any, Any], str, os.PathLike]) -> Histog
     if isinstance(source, Mapping):
         return parse_histogram(source)
     raise TypeError(f"histogram: expected a {{size: count}} mapping or a JSON file path, got {type(source).__name__}")
+

@@ -68,7 +68,7 @@ from capture_sizes_study import format_study, study
 
 from graphrt import GraphRunner, UBatchConfig
 from graphrt.reference import graph_runner_kwargs
-from graphrt.registry import CaptureReport
+from graphrt.capture import CaptureReport
 
 logger = logging.getLogger("bench")
 

@@ -116,7 +116,7 @@ def measure_piecewise(work: Workload, runner: GraphRunner, one_op: GraphRunner, 
     for num_tokens in token_counts:
         batch, owned = mixed_batch(work, num_tokens, rng)
         try:
-            decision = runner.piecewise.decide(batch, runner.dispatcher.decide(batch))
+            decision = runner.dispatcher.decide(batch)
             if decision.reason is not None:
                 raise RuntimeError(f"{num_tokens} tokens would run eagerly: {decision.reason.value}")
             entry = decision.entry
@@ -128,7 +128,7 @@ def measure_piecewise(work: Workload, runner: GraphRunner, one_op: GraphRunner, 
             if not torch.allclose(actual, expected_padded, atol=tolerance, rtol=tolerance):
                 raise RuntimeError(f"piecewise step of {num_tokens} tokens differs from eager at the padded size")
             bare = one_op_batch(batch)
-            one_op_entry = one_op.piecewise.decide(bare, one_op.dispatcher.decide(bare)).entry
+            one_op_entry = one_op.dispatcher.decide(bare).entry
 
             def raw_replay(graph: Any = entry.graph) -> None:
                 with use_batch(batch):

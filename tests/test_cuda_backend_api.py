@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from graphrt.backends.capture import capture_graph
+from graphrt.capture import capture_graph
 from graphrt.backends.cuda import CudaGraphBackend
 
 

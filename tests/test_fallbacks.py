@@ -47,7 +47,7 @@ def test_capture_failure_disables_one_key_and_others_keep_replaying():
     assert "simulated failure" in runner.stats()["failed_keys"]["decode/bs=4"]
 
 
-def test_replay_failure_reruns_eagerly_once_and_disables_key():
+def test_replay_failure_reruns_eagerly_and_disables_only_a_key_eager_serves():
     model = FlakyModel()
     runner = runner_for(model)
     runner.capture()
@@ -60,10 +60,12 @@ def test_replay_failure_reruns_eagerly_once_and_disables_key():
     model.fail_now = True
     with pytest.raises(RuntimeError, match="simulated failure"):
         runner(decode_batch(3, seed=1))  # replay raised, the eager re-run raised too: the error surfaces
+    assert runner.registry.entries[key].status is GraphStatus.READY, "eager failed too: the input was at fault"
     model.fail_now = False
+    runner(decode_batch(3, seed=2))  # replay raised where eager succeeds: the graph is at fault
     assert runner.registry.entries[key].status is GraphStatus.DISABLED
-    runner(decode_batch(3, seed=2))
-    assert runner.stats()["eager_reasons"] == {"replay_failed": 1, "disabled": 1}
+    runner(decode_batch(3, seed=3))
+    assert runner.stats()["eager_reasons"] == {"replay_failed": 2, "disabled": 1}
 
 
 def every_reason_runner():

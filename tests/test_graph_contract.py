@@ -244,19 +244,19 @@ def test_reference_state_is_bitwise_unchanged_by_capture_retune_and_resumed_capt
     assert_same_state(before, state_snapshot(model, pools))
 
     resumed = make_reference_runner(model, attn, pools)  # same model and pools, fresh keys
-    original = resumed.registry.capture_entry
+    original = resumed.capturer.capture_entry
     calls = []
 
-    def interrupt_second_key(entry, warmup_iters):
+    def interrupt_second_key(registry, entry, warmup_iters):
         calls.append(entry.key)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return original(entry, warmup_iters)
+        return original(registry, entry, warmup_iters)
 
-    monkeypatch.setattr(resumed.registry, "capture_entry", interrupt_second_key)
+    monkeypatch.setattr(resumed.capturer, "capture_entry", interrupt_second_key)
     with pytest.raises(KeyboardInterrupt):
         resumed.capture()
-    monkeypatch.setattr(resumed.registry, "capture_entry", original)
+    monkeypatch.setattr(resumed.capturer, "capture_entry", original)
     report = resumed.capture()  # captures the keys the interruption left pending
     assert len(report.keys) == 3 and not report.failed
     assert_same_state(before, state_snapshot(model, pools))

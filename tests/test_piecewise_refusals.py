@@ -12,11 +12,11 @@ from ubatch_helpers import make_batch
 
 import graphrt
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
-from graphrt.backends.capture import capture_graph, verify_graph
+from graphrt.capture import capture_graph, verify_graph
 from graphrt.backends.cuda import CudaGraphBackend
 from graphrt.layout.tensor_tree import same_value
 from graphrt.piecewise import resolve_splitting_ops
-from graphrt.piecewise.capture import PiecewiseBackend
+from graphrt.piecewise.graph import PieceRecorder
 from graphrt.reference import VARLEN_OP
 
 
@@ -157,7 +157,8 @@ def test_current_batch_is_live_in_eager_and_piecewise_steps_and_frozen_in_full_g
 
 def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa: F811 - the fixture
     events, fakes = fake_cuda
-    backend = PiecewiseBackend(CudaGraphBackend(torch.device("cuda", 0)), resolve_splitting_ops([double_rows]), {})
+    backend = CudaGraphBackend(torch.device("cuda", 0))
+    recorder = PieceRecorder(resolve_splitting_ops([double_rows]), {})
     side_stream = fakes["Stream"].return_value
     graph_mock = fakes["CUDAGraph"].return_value
     x = torch.arange(4.0)
@@ -165,8 +166,8 @@ def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa:
     try:
         step = lambda: [double_rows(x + 1) * 3]  # noqa: E731
         with backend.capture_session():
-            graph = capture_graph(backend, step, warmup_iters=1)
-            verify_graph(graph, step, same_value)  # what the registry runs after each capture
+            graph = capture_graph(backend, step, warmup_iters=1, record=lambda fn: recorder(backend, fn))
+            verify_graph(graph, step, same_value)  # what capture runs after each recording
         events.append(("replay",))
         graph.replay()
     finally:

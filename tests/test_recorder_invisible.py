@@ -16,7 +16,7 @@ from torch.overrides import has_torch_function
 
 import graphrt
 from graphrt import wrap
-from graphrt.backends.capture import capture_graph
+from graphrt.capture import capture_graph
 from graphrt.backends.emulated import EmulatedBackend
 
 D_MODEL, HEADS, SEQ = 16, 2, 6

@@ -10,6 +10,7 @@ from graphrt import CaptureReport, EagerReason, ForwardMode, GraphedCallable, Gr
 from graphrt.backends import BACKEND_NAMES, EmulatedBackend, resolve_backend_name
 from graphrt.dispatch import Dispatcher
 from graphrt.pools.buffers import BufferPool, SimpleBufferPool
+from graphrt.capture import KeyCapture
 from graphrt.registry import Decision, GraphEntry, GraphRegistry, GraphStatus
 from graphrt.sizes import SizeGrid
 
@@ -23,7 +24,7 @@ def doubling_entry(key: GraphKey) -> GraphEntry:
 
 
 def registry_with(grid: SizeGrid, mode=DECODE) -> GraphRegistry:
-    registry = GraphRegistry(EmulatedBackend(), warmup_iters=1)
+    registry = GraphRegistry()
     registry.add_grid(mode, grid, doubling_entry)
     return registry
 
@@ -54,7 +55,7 @@ def test_extend_lookup_pads_tokens_and_requests_independently():
 
 def test_capture_all_reports_largest_first_and_disable_drops_the_graph():
     registry = registry_with(SizeGrid.for_decode([1, 2, 4]))
-    report = registry.capture_all(progress=False)
+    report = KeyCapture(EmulatedBackend(), warmup_iters=1).capture_all(registry, progress=False)
     assert isinstance(report, CaptureReport) and [key.num_reqs for key in report.ok] == [4, 2, 1]
     assert report.pool_bytes == 4 * (4 + 2 + 1) and not report.failed
     assert registry.lookup(DECODE, 3, 3) == Decision(registry.entries[GraphKey(DECODE, 4, 4)], None)

@@ -1,4 +1,4 @@
-"""Graph backends behind one protocol: ``cuda`` (torch.cuda.CUDAGraph) and ``emulated`` (CPU)."""
+"""Graph backends behind one protocol: ``cuda`` (torch.cuda.CUDAGraph) and ``emulated`` (CPU), whole or in pieces."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Optional, Union
 
 import torch
 
-from graphrt.backends.base import CapturedGraph, GraphBackend
+from graphrt.backends.base import CapturedGraph, GraphBackend, PieceSink, SplitPoint
 from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends.emulated import EmulatedBackend
+from graphrt.backends.state_journal import StateJournal
 
 BACKEND_NAMES = ("auto", "cuda", "emulated", "eager")
 DISABLE_ENV = "GRAPHRT_DISABLE"
@@ -51,6 +52,6 @@ def make_backend(name: str, device: Optional[torch.device] = None) -> Optional[G
 
 
 __all__ = [
-    "CapturedGraph", "GraphBackend", "EmulatedBackend", "BACKEND_NAMES", "DISABLE_ENV",
+    "CapturedGraph", "GraphBackend", "PieceSink", "SplitPoint", "StateJournal", "EmulatedBackend", "BACKEND_NAMES", "DISABLE_ENV",
     "graphs_disabled_by_env", "resolve_backend_name", "resolve_device", "make_backend", "refuse_compiled_cudagraphs",
 ]

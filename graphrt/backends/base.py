@@ -1,9 +1,9 @@
-"""The one small protocol every graph backend implements."""
+"""The one small protocol every graph backend implements: whole captures, and captures in pieces."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 
 class CapturedGraph(Protocol):
@@ -17,8 +17,35 @@ class CapturedGraph(Protocol):
         """Run the captured work again on the current static inputs."""
 
 
+class SplitPoint(Protocol):
+    """An op run eagerly between two pieces: the static arguments it was called with."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+
+class PieceSink(Protocol):
+    """Where one capture in pieces goes. ``recording()`` begins the first piece and ends the last;
+    ``split(run)`` ends the current piece, calls ``run`` (the op between pieces, eagerly, outside
+    any capture) and begins the next; ``pieces`` then hands out one graph per piece."""
+
+    def recording(self) -> AbstractContextManager:
+        """Context of the whole capture pass."""
+
+    def split(self, run: Callable[[], Any]) -> Any:
+        """End the piece, run the op, begin the next piece; returns the op's result."""
+
+    def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
+        """The captured pieces; ``outputs`` are the step's output leaves (what the last piece must publish)."""
+
+    @property
+    def pool_bytes(self) -> Optional[int]:
+        """Memory the pieces hold (after ``recording()`` ended)."""
+
+
 class GraphBackend(Protocol):
-    """Captures callables into replayable graphs; warm-up and undo live in graphrt.backends.capture."""
+    """Captures callables into replayable graphs, whole or in pieces; the capture sequence
+    (warm-up, capture, undo, verify) lives in graphrt.capture."""
 
     name: str
     capture_executes: bool  # True when capture runs the step's ops (its writes must be undone)
@@ -31,3 +58,6 @@ class GraphBackend(Protocol):
 
     def capture(self, fn: Callable[[], Any]) -> CapturedGraph:
         """Capture one call of ``fn`` (already warmed up)."""
+
+    def piece_sink(self) -> PieceSink:
+        """A fresh sink for one capture split into pieces (piecewise graphs)."""

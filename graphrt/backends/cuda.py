@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 
+from graphrt.backends.base import CapturedGraph, SplitPoint
 from graphrt.backends.session import gc_frozen
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class CudaGraphBackend:
         torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._reserved() - reserved_before)
 
+    def piece_sink(self) -> "CudaPieces":
+        return CudaPieces(self)
+
     def abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
         """End a capture whose callable raised, so the stream leaves capture mode."""
         for step in (graph.capture_end, lambda: torch.cuda.synchronize(self.device)):
@@ -85,3 +89,53 @@ class CudaGraphBackend:
                 step()
             except RuntimeError as error:  # the capture was already invalidated; keep the first error
                 logger.debug("cleanup after a failed capture raised: %s", error)
+
+
+class CudaPiece:
+    """One captured piece of a split step: replay() launches its graph."""
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph") -> None:
+        self.graph = graph
+        self.outputs = None
+        self.pool_bytes = None
+        self.replay = graph.replay
+
+
+class CudaPieces:
+    """One CUDAGraph per piece, in the backend's shared pool, captured on its capture stream; the
+    op between two pieces runs between one ``capture_end`` and the next ``capture_begin``."""
+
+    def __init__(self, backend: CudaGraphBackend) -> None:
+        self.backend = backend
+        self.graphs: List["torch.cuda.CUDAGraph"] = []
+        self.pool_bytes: Optional[int] = None
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.backend.pool)
+        self.graphs.append(graph)
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        backend = self.backend
+        torch.cuda.synchronize(backend.device)
+        reserved_before = backend._reserved()
+        with backend.warmup_context():  # the capture stream
+            self._begin()
+            try:
+                yield
+            except BaseException:
+                backend.abandon(self.graphs[-1])
+                raise
+            self.graphs[-1].capture_end()
+        torch.cuda.synchronize(backend.device)
+        self.pool_bytes = backend._reserved() - reserved_before
+
+    def split(self, run: Callable[[], Any]) -> Any:
+        self.graphs[-1].capture_end()
+        result = run()
+        self._begin()
+        return result
+
+    def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
+        return [CudaPiece(graph) for graph in self.graphs]

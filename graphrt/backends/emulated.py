@@ -9,12 +9,14 @@ step fails the capture, as on CUDA. So a model that breaks under a CUDA graph br
 from __future__ import annotations
 
 import contextvars
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Optional
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from graphrt.backends.op_graph import OpGraph, OpRecorder, build_op_graph
+from graphrt.backends.base import CapturedGraph, SplitPoint
+from graphrt.backends.op_graph import OpGraph, OpRecorder, RecordedOp, build_op_graph
 from graphrt.backends.session import gc_frozen
 
 
@@ -64,3 +66,61 @@ class EmulatedBackend:
         with OpRecorder() as recorder:
             outputs = fn()
         return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs, recorder.context)
+
+    def piece_sink(self) -> "EmulatedPieces":
+        return EmulatedPieces()
+
+
+class EmulatedPieces:
+    """Records the pass once and cuts the recording at the split points into segments, each built
+    into its own op graph. A segment's externals are whatever it did not produce (static inputs,
+    parameters, tensors of earlier pieces, split-op outputs: all capture-time tensors); it publishes
+    (copies out on replay) the tensors it produced that later pieces, split ops or the step's
+    outputs read."""
+
+    def __init__(self) -> None:
+        self.recorder = OpRecorder()
+        self.bounds: List[int] = [0]  # index of the first op of each piece
+        self.pool_bytes: Optional[int] = None
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        with self.recorder:
+            yield
+
+    def split(self, run: Callable[[], Any]) -> Any:
+        self.bounds.append(len(self.recorder.ops))
+        with self.recorder.host_reads_allowed():  # the op runs eagerly between pieces
+            return run()
+
+    def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
+        ops = self.recorder.ops
+        segments = [ops[start:end] for start, end in zip(self.bounds, self.bounds[1:] + [len(ops)])]
+        published = _published(segments, splits, outputs)
+        pieces = [EmulatedGraph(build_op_graph(segment, targets), targets, self.recorder.context)
+                  for segment, targets in zip(segments, published)]
+        self.pool_bytes = sum(piece.pool_bytes or 0 for piece in pieces)
+        return pieces
+
+
+def _published(segments: List[List[RecordedOp]], splits: Sequence[SplitPoint], outputs: Sequence[Any]
+               ) -> List[List[Any]]:
+    """Per segment, the tensors it produced that something after it reads (in production order)."""
+    read_later: Set[int] = {id(leaf) for leaf in outputs if isinstance(leaf, torch.Tensor)}
+    result: List[List[Any]] = [[] for _ in segments]
+    for index in reversed(range(len(segments))):
+        if index < len(splits):
+            read_later.update(_tensor_ids((splits[index].args, splits[index].kwargs)))
+        produced: Dict[int, torch.Tensor] = {}
+        for op in segments[index]:
+            for leaf in tree_leaves(op.output):
+                if isinstance(leaf, torch.Tensor):
+                    produced.setdefault(id(leaf), leaf)
+        result[index] = [tensor for key, tensor in produced.items() if key in read_later]
+        for op in segments[index]:
+            read_later.update(_tensor_ids((op.args, op.kwargs)))
+    return result
+
+
+def _tensor_ids(tree: Any) -> Iterator[int]:
+    return (id(leaf) for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))

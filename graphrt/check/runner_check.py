@@ -24,9 +24,8 @@ from graphrt.check.session import CheckSession
 from graphrt.check.splits import SplitScanRecorder, piece_refusal, split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
-from graphrt.registry import EagerReason, GraphEntry, GraphKey, GraphRegistry, recorded_step
-
-
+from graphrt.capture import recorded_step
+from graphrt.registry import EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind
 
 @runtime_checkable
 class RunnerLike(Protocol):
@@ -39,7 +38,7 @@ class RunnerLike(Protocol):
     pad_values: Mapping[str, int]
     device: torch.device
     debug: bool
-    piecewise: Any  # PiecewiseGraphs, or None without splitting ops
+    piecewise: bool  # whether the registry holds piecewise keys (splitting ops set)
 
     def prepare_capture(self) -> Callable[[GraphEntry], None]: ...
 
@@ -57,7 +56,7 @@ def check_runner(runner: RunnerLike, examples: Sequence[ForwardBatch] = (),
         ("batch_context", runner.context)]
     session = CheckSession(f"GraphRunner({type(runner.model).__name__})", roots, runner.device)
     with preserved_random_state(), preserved_state(session.graph):
-        if runner.piecewise is not None:
+        if runner.piecewise:
             _check_splits(session, runner)
         for position, entry in enumerate(entries):
             step = Step(f"static batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs),
@@ -74,33 +73,34 @@ def check_runner(runner: RunnerLike, examples: Sequence[ForwardBatch] = (),
 
 def _check_splits(session: CheckSession, runner: RunnerLike) -> None:
     """Record the step on the smallest piecewise key's dummy batch and list where it splits."""
-    registry = runner.piecewise.registry
-    entry = registry.entries[min(registry.entries, key=lambda key: key.num_tokens)]
+    entry = min((entry for key, entry in runner.registry.entries.items() if key.kind is KeyKind.PIECEWISE),
+                key=lambda entry: entry.key.num_tokens)
     step = Step(f"dummy batch of {entry.key}", recorded_step(entry), _batch_inputs(entry.static_inputs))
     if not _warm_up(session, step):
         return
-    backend = registry.backend
-    recording = session.record(step, SplitScanRecorder(backend.splitting))
+    recorder = entry.record  # a PieceRecorder: the splitting ops and the request-shaped slots
+    recording = session.record(step, SplitScanRecorder(recorder.splitting))
     if session.analyze(recording, with_state=False):
-        session.report.splits, session.report.pieces = split_sites(recording, backend.splitting)
-        refusal = piece_refusal(step.fn, backend.splitting, backend.request_fields)
+        session.report.splits, session.report.pieces = split_sites(recording, recorder.splitting)
+        refusal = piece_refusal(step.fn, recorder.splitting, recorder.request_fields)
         if refusal is not None:
             session.add_error(f"{step.label} (piecewise capture)", refusal, raising_line(refusal))
 
 
 def _entries(runner: RunnerLike, keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:
-    """The requested keys' entries, else the largest and smallest key of each mode (largest first)."""
-    registry = runner.registry
+    """The requested keys' entries, else the largest and smallest full-graph key of each mode (largest first)."""
+    entries = runner.registry.entries
     if keys is not None:
-        missing = [key for key in keys if key not in registry.entries]
+        missing = [key for key in keys if key not in entries]
         if missing:
-            raise ValueError(f"keys: expected keys of this runner ({sorted(map(str, registry.entries))}), got {missing}")
-        return [registry.entries[key] for key in keys]
+            raise ValueError(f"keys: expected keys of this runner ({sorted(map(str, entries))}), got {missing}")
+        return [entries[key] for key in keys]
+    full = [key for key in entries if key.kind is KeyKind.FULL]
     chosen: Dict[GraphKey, GraphEntry] = {}
-    for mode in dict.fromkeys(key.mode for key in registry.entries):
-        of_mode = sorted((key for key in registry.entries if key.mode is mode), key=lambda k: (k.num_tokens, k.num_reqs))
+    for mode in dict.fromkeys(key.mode for key in full):
+        of_mode = sorted((key for key in full if key.mode is mode), key=lambda k: (k.num_tokens, k.num_reqs))
         for key in (of_mode[-1], of_mode[0]):
-            chosen.setdefault(key, registry.entries[key])
+            chosen.setdefault(key, entries[key])
     return list(chosen.values())
 
 
@@ -125,12 +125,11 @@ def _check_example(session: CheckSession, runner: RunnerLike, index: int, exampl
     example.validate(runner.device, runner.debug)
     decision = runner.dispatcher.decide(example)
     if decision.reason not in _KEY_KNOWN or decision.entry is None:
-        piecewise = runner.piecewise.decide(example, decision) if runner.piecewise is not None else decision
-        if piecewise.reason in _KEY_KNOWN and piecewise.entry is not None:
-            session.report.notes.append(f"example {index} replays piecewise ({piecewise.entry.key}): its pieces "
-                                        "are checked on that key's dummy batch, not on the example")
-        else:
-            session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
+        session.report.notes.append(f"example {index} runs eagerly ({decision.reason.value}): not checked")
+        return
+    if decision.entry.key.kind is KeyKind.PIECEWISE:
+        session.report.notes.append(f"example {index} replays piecewise ({decision.entry.key}): its pieces are "
+                                    "checked on that key's dummy batch, not on the example")
         return
     key = decision.entry.key
     example = with_context(example, runner.context)

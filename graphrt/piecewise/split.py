@@ -3,23 +3,23 @@
 While the step runs once on a piecewise key's static batch, ``SplitWatcher`` sees every aten
 op. At a splitting op it ends the current piece, runs the op eagerly (outside every recording
 mode), keeps its arguments and output tensors (static memory from then on), and begins the
-next piece: the same for both backends, only the ``PieceSink`` differs (CUDA: one CUDAGraph
-per piece in the shared pool; emulated: one recorded op segment per piece). It also refuses
+next piece: the same for both backends, only the backend's ``PieceSink`` differs (CUDA: one
+CUDAGraph per piece in the shared pool; emulated: one recorded op segment per piece). It also refuses
 what a token-keyed piece cannot replay: a read of a request-shaped static field, and a
 splitting op whose output it cannot put in place.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from graphrt.backends.op_graph import model_source_line
+from graphrt.backends import PieceSink
+from graphrt.backends.source_lines import model_source_line
 from graphrt.backends.state_journal import storage_key
 from graphrt.forward_context import current_batch
 from graphrt.piecewise.ops import SplittingOps
@@ -52,17 +52,6 @@ class SplitCall:
             self.outputs[0].copy_(fresh[0])
         else:
             torch._foreach_copy_(self.outputs, fresh)
-
-
-class PieceSink(Protocol):
-    """Where a backend puts pieces: ``recording()`` begins the first piece and ends the last;
-    ``split(run)`` ends the current piece, calls ``run`` (the splitting op, eagerly), begins the next."""
-
-    def recording(self) -> AbstractContextManager:
-        """Context of the whole capture pass."""
-
-    def split(self, run: Callable[[], Any]) -> Any:
-        """End the piece, run the op, begin the next piece; returns the op's result."""
 
 
 class SplitWatcher(TorchDispatchMode):
