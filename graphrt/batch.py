@@ -91,6 +91,10 @@ def field_getter(specs: Sequence[FieldSpec]) -> Callable[[Any], tuple]:
     return operator.attrgetter(*(spec.name for spec in specs))
 
 
+_decode_tensors = field_getter(DECODE_SPECS)
+_extend_tensors = field_getter(EXTEND_SPECS)
+
+
 # The objects every batch of one runner shares; its graphs are bound to them.
 CONTEXT_FIELDS = ("attn_backend", "req_to_token_pool", "token_to_kv_pool")
 # Optional multimodal tensors: graphs are captured without them.
@@ -130,18 +134,22 @@ class ForwardBatch:
         """Rows of every per-token tensor (``input_ids``, ``positions``, ``out_cache_loc``)."""
         return self.input_ids.shape[0] if isinstance(self.input_ids, torch.Tensor) else 0
 
-    def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None) -> None:
-        """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU.
+    def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None,
+                 check_values: Optional[bool] = None) -> None:
+        """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU unless asked.
 
         ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
-        ``debug``: also check values of device tensors (synchronizes); default from GRAPHRT_DEBUG.
+        ``check_values``: also read tensor values (non-negative indices, ``seq_lens_sum``); default:
+        for host tensors always, for device tensors only in debug mode (``debug``, default from
+        GRAPHRT_DEBUG), since reading them synchronizes.
         """
         mode = self.forward_mode
-        if not isinstance(mode, ForwardMode):
+        if mode.__class__ is not ForwardMode:
             raise TypeError(f"forward_mode: expected a ForwardMode, got {type(mode).__name__}")
-        if type(self.batch_size) is not int or self.batch_size < 0:
-            raise TypeError(f"batch_size: expected a non-negative int, got {self.batch_size!r}")
-        if type(self.seq_lens_sum) is not int:
+        batch_size = self.batch_size
+        if batch_size.__class__ is not int or batch_size < 0:
+            raise TypeError(f"batch_size: expected a non-negative int, got {batch_size!r}")
+        if self.seq_lens_sum.__class__ is not int:
             raise TypeError(f"seq_lens_sum: expected a Python int, got {type(self.seq_lens_sum).__name__}")
         input_ids = self.input_ids
         if not isinstance(input_ids, torch.Tensor):
@@ -149,33 +157,55 @@ class ForwardBatch:
         if device is None:
             device = input_ids.device
         num_tokens = input_ids.shape[0] if input_ids.dim() else -1
-        extend = mode.is_extend()
-        if not extend and num_tokens != self.batch_size:
+        extend = mode is ForwardMode.EXTEND or mode is ForwardMode.MIXED
+        if not extend and num_tokens != batch_size:
             raise ValueError(
-                f"input_ids: expected shape [batch_size={self.batch_size}] for {mode.name}, "
-                f"got {list(input_ids.shape)}"
+                f"input_ids: expected shape [batch_size={batch_size}] for {mode.name}, got {list(input_ids.shape)}"
             )
-        check_values = debug_enabled() if debug is None else debug
-        shapes = {True: (num_tokens,), False: (self.batch_size,)}
-        present = []
-        for spec in EXTEND_SPECS if extend else DECODE_SPECS:
-            tensor = getattr(self, spec.name)
+        specs, tensors = (EXTEND_SPECS, _extend_tensors(self)) if extend else (DECODE_SPECS, _decode_tensors(self))
+        token_shape, request_shape = (num_tokens,), (batch_size,)
+        for spec, tensor in zip(specs, tensors):
             if tensor is None:
                 if spec.name == "positions":
                     continue
                 raise ValueError(f"{spec.name}: required field is missing (None) for {mode.name} batches")
-            shape = shapes[spec.per_token]
-            if (
-                not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes
-                or tensor.shape != shape or tensor.device != device
-            ):
+            shape = token_shape if spec.per_token else request_shape
+            if (not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes or tensor.shape != shape
+                    or tensor.device != device):
                 check_tensor(spec, tensor, shape[0], device)
-            present.append(tensor)
-        if check_values or device.type == "cpu":  # every staged tensor is on `device` by now
-            check_non_negative(self, present)
         if extend:
             self._validate_extend(num_tokens)
-        self._validate_seq_lens_sum(check_values)
+        mirror = self.seq_lens_cpu
+        if mirror is not None:
+            if not isinstance(mirror, torch.Tensor) or mirror.device.type != "cpu":
+                raise TypeError("seq_lens_cpu: expected a CPU tensor mirror of seq_lens")
+            if mirror.shape != request_shape:
+                raise ValueError(f"seq_lens_cpu: expected shape [{batch_size}], got {list(mirror.shape)}")
+        if check_values is None:
+            check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
+        if check_values:
+            self._check_values(specs, tensors)
+        elif mirror is not None:
+            self._check_seq_lens_sum(mirror)
+
+    def _check_values(self, specs: Sequence[FieldSpec], tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        """Value checks (they read the tensors): one minimum per dtype over the index fields (a
+        concatenation of mixed dtypes would cost a type promotion), and the sum of seq_lens."""
+        groups: dict = {}
+        for tensor in tensors:
+            if tensor is not None and tensor.numel():
+                groups.setdefault(tensor.dtype, []).append(tensor)
+        for group in groups.values():
+            if int((group[0] if len(group) == 1 else torch.cat(group)).min()) < 0:
+                for spec, tensor in zip(specs, tensors):
+                    if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
+                        raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")
+        self._check_seq_lens_sum(self.seq_lens if self.seq_lens_cpu is None else self.seq_lens_cpu)
+
+    def _check_seq_lens_sum(self, seq_lens: torch.Tensor) -> None:
+        total = int(seq_lens.sum())
+        if total != self.seq_lens_sum:
+            raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
 
     def _validate_extend(self, num_tokens: int) -> None:
         if self.extend_num_tokens != num_tokens:
@@ -192,23 +222,6 @@ class ForwardBatch:
                 f"got {sum(self.extend_seq_lens_cpu)}"
             )
 
-    def _validate_seq_lens_sum(self, check_values: bool) -> None:
-        if self.seq_lens_cpu is not None:
-            if not isinstance(self.seq_lens_cpu, torch.Tensor) or self.seq_lens_cpu.device.type != "cpu":
-                raise TypeError("seq_lens_cpu: expected a CPU tensor mirror of seq_lens")
-            if self.seq_lens_cpu.shape != (self.batch_size,):
-                raise ValueError(
-                    f"seq_lens_cpu: expected shape [{self.batch_size}], got {list(self.seq_lens_cpu.shape)}"
-                )
-            host = self.seq_lens_cpu
-        elif check_values or self.seq_lens.device.type == "cpu":
-            host = self.seq_lens
-        else:
-            return
-        total = int(host.sum())
-        if total != self.seq_lens_sum:
-            raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
-
 
 def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch.device]) -> None:
     """Metadata-only check of one staged field: type, dtype, 1-D length, device."""
@@ -221,23 +234,3 @@ def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch
         raise ValueError(f"{spec.name}: expected shape [{rows}], got {list(tensor.shape)}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{spec.name}: expected a tensor on {device}, got one on {tensor.device}")
-
-
-def check_non_negative(batch: "ForwardBatch", tensors: List[torch.Tensor]) -> None:
-    """Value check (reads the tensors, one reduction per dtype): every entry must be >= 0.
-
-    Tensors are grouped by dtype because concatenating mixed dtypes costs a type promotion.
-    """
-    groups: dict = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    for group in groups.values():
-        values = group[0] if len(group) == 1 else torch.cat(group)
-        if values.numel() and int(values.min()) < 0:
-            break
-    else:
-        return
-    for spec in EXTEND_SPECS:
-        tensor = getattr(batch, spec.name)
-        if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
-            raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")

@@ -42,6 +42,9 @@ class RunnerConfig:
     ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
     replay captured graphs (merged in order) instead of running eagerly.
     ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
+    ``check_values``: read index values of each batch (non-negative, ``seq_lens_sum``) before it is
+    staged; default (None): for host tensors always, for device tensors only in debug mode (reading
+    them synchronizes). False checks metadata only, as on a GPU.
     ``splitting_ops``: ops run eagerly between graph pieces (``OpOverload``, ``OpOverloadPacket``,
     a ``torch.library.custom_op`` function or ``"namespace::name"``; typically a custom op wrapping
     varlen attention).
@@ -63,6 +66,7 @@ class RunnerConfig:
     batch_context: Mapping[str, Any] = field(default_factory=dict)
     extend_capture_sizes: Optional[Tuple[Sequence[int], Sequence[int]]] = None
     debug: Optional[bool] = None
+    check_values: Optional[bool] = None
     verify: bool = True
     progress: bool = True
     histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None

@@ -248,7 +248,7 @@ class GraphRunner:
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
         with self._lock:
-            batch.validate(self.device, self.debug)
+            batch.validate(self.device, self.debug, self.config.check_values)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             if self._ubatch is not None and batch.forward_mode is ForwardMode.DECODE and (
                 batch.batch_size > self.capture_sizes[-1]
@@ -273,7 +273,7 @@ class GraphRunner:
                 if batch is not None:
                     if not isinstance(batch, ForwardBatch):
                         raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-                    batch.validate(self.device, self.debug)
+                    batch.validate(self.device, self.debug, self.config.check_values)
                     if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
                         raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
             except (TypeError, ValueError) as caught:

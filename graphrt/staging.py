@@ -10,8 +10,9 @@ pad value, so steady decode at one batch size stages with a single call.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -244,26 +245,52 @@ class InputBufferManager:
 
 
 class StagingPlan:
-    """A fixed list of slots staged together every step: destination views are built once per
-    row count, then each step is one fused ``_foreach_copy_`` plus re-padding of dirty rows."""
+    """A fixed list of slots staged together every step. Slots are grouped by dtype and device, so
+    each step is one fused ``_foreach_copy_`` per group (a mixed-dtype list would take torch's
+    per-tensor path: one copy kernel per slot on CUDA), plus re-padding of rows a larger earlier
+    step dirtied. Destination views are built once per row count."""
 
     def __init__(self, slots: Sequence[InputSlot]) -> None:
         self.slots = tuple(slots)
+        groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for index, slot in enumerate(self.slots):
+            groups.setdefault((slot.tensor.dtype, slot.tensor.device), []).append(index)
+        self._groups = [tuple(indices) for indices in groups.values()]
+        self._pickers = [_picker(indices) for indices in self._groups]
         self._padded = tuple(slot for slot in self.slots if slot.axis is not RowAxis.FIXED)
-        self._destinations: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+        self._steps: Dict[Tuple[int, int], Tuple[list, tuple]] = {}
 
-    def destinations(self, num_tokens: int, num_reqs: int) -> List[torch.Tensor]:
-        """Views of every slot cut to its live rows (cached)."""
-        key = (num_tokens, num_reqs)
-        views = self._destinations.get(key)
-        if views is None:
-            views = self._destinations[key] = [
-                slot.view(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs) for slot in self.slots
-            ]
-        return views
+    def _step(self, num_tokens: int, num_reqs: int) -> Tuple[list, tuple]:
+        """Per group its destination views and live-value picker, and per padded slot its live rows (cached)."""
+        def rows(slot: InputSlot) -> int:
+            return num_tokens if slot.axis is RowAxis.TOKENS else num_reqs
+
+        copies = [([self.slots[index].view(rows(self.slots[index])) for index in indices], picker)
+                  for indices, picker in zip(self._groups, self._pickers)]
+        step = self._steps[num_tokens, num_reqs] = (copies, tuple((slot, rows(slot)) for slot in self._padded))
+        return step
 
     def stage(self, live: Sequence[torch.Tensor], num_tokens: int, num_reqs: int) -> None:
         """Hot path, inputs already checked: copy live rows, restore padding above them."""
-        torch._foreach_copy_(self.destinations(num_tokens, num_reqs), live)
-        for slot in self._padded:
-            slot.pad(num_tokens if slot.axis is RowAxis.TOKENS else num_reqs)
+        step = self._steps.get((num_tokens, num_reqs))
+        if step is None:
+            step = self._step(num_tokens, num_reqs)
+        copies, pads = step
+        for destinations, pick in copies:
+            torch._foreach_copy_(destinations, pick(live))
+        for slot, rows in pads:
+            if slot.high_water != rows:
+                slot.pad(rows)
+
+    @property
+    def copies_per_step(self) -> int:
+        """Fused copies one ``stage`` issues: one per dtype and device among its slots."""
+        return len(self._groups)
+
+
+def _picker(indices: Tuple[int, ...]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """The live values at ``indices``, as a sequence (itemgetter of one index returns the item alone)."""
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda live: (live[index],)
+    return operator.itemgetter(*indices)

@@ -269,11 +269,6 @@ class CallSignature:
             refined.append(evidence)
         return refined
 
-    def describe_mismatch(self, leaves: List[Any], structure: Any) -> str:
-        """What in a call differs from this signature, naming the argument."""
-        path, why = self.first_difference(leaves, structure)
-        return f"{path}: {why}"
-
     def first_difference(self, leaves: List[Any], structure: Any) -> Tuple[str, str]:
         """The first argument path where a call differs from this signature, and how."""
         if structure != self.structure:
