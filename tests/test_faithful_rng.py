@@ -242,7 +242,8 @@ def test_runner_steps_with_sampling_draw_what_eager_draws_at_the_padded_size(bac
     control = copy.deepcopy(model)
     runner = GraphRunner(model, max_batch_size=8, capture_sizes=[1, 2, 4, 8], backend=backend, device=device,
                          progress=False)
-    runner.capture()
+    report = runner.capture()
+    assert not report.failed, report.failed
     torch.manual_seed(7)
     sizes = (3, 5, 8, 1, 6, 3)
     with torch.no_grad():
