@@ -31,7 +31,7 @@ from graphrt import GraphRunner, RunnerConfig, wrap
 from graphrt.check.__main__ import main as check_main
 from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs, make_decode_batch, run_eager
 
-VOCAB, KV_SLOTS = 97, 256  # ToyPagedModel's table sizes
+KV_SLOTS = 256  # ToyPagedModel's KV cache; its vocabulary is 97 tokens
 
 # ---------------------------------------------------------------- item 6: a bad batch poisons nothing
 
@@ -43,8 +43,8 @@ def toy_runner(model: ToyPagedModel) -> GraphRunner:
 
 
 BAD_INDICES = {
-    "token id past the vocabulary": dict(input_ids=torch.tensor([5, VOCAB + 903, 7])),
-    "KV slot past the cache": dict(out_cache_loc=torch.tensor([5, KV_SLOTS + 44, 7])),
+    "token id past the vocabulary": dict(input_ids=torch.tensor([5, 1000, 7])),
+    "KV slot past the cache": dict(out_cache_loc=torch.tensor([5, 300, 7])),
 }
 
 
@@ -73,7 +73,7 @@ def test_a_replay_that_fails_where_eager_succeeds_disables_the_key():
     model = ToyPagedModel()
     runner = toy_runner(model)
     model.kv = torch.zeros(2 * KV_SLOTS, model.kv.shape[1])
-    batch = decode_batch(3, seed=1, out_cache_loc=torch.tensor([5, KV_SLOTS + 44, 7]))
+    batch = decode_batch(3, seed=1, out_cache_loc=torch.tensor([5, 300, 7]))
     control = copy.deepcopy(model)
     assert_identical(runner(batch), control(batch.input_ids, batch.positions, batch))
     stats = runner.stats()
@@ -164,6 +164,7 @@ def test_wrap_call_with_an_index_past_the_table_raises_and_keeps_its_graph():
     (lambda: wrap("forward", max_batch_size=4, backend="emulated"), "fn"),
 ], ids=["runner of None", "runner of a tensor", "wrap of None", "wrap of a string"])
 def test_a_model_or_fn_that_is_not_callable_is_refused_when_built(build, name):
+    """A TypeError naming the argument when the runner or wrapper is built, not a failure at capture."""
     with pytest.raises(TypeError, match=rf"\b{name}\b"):
         build()
 
@@ -171,6 +172,7 @@ def test_a_model_or_fn_that_is_not_callable_is_refused_when_built(build, name):
 @pytest.mark.skipif(CUDA_AVAILABLE, reason="needs a machine without CUDA")
 @pytest.mark.parametrize("backend", ["auto", "emulated"])
 def test_device_cuda_without_cuda_is_refused_naming_device(backend):
+    """An error that names the ``device`` option, not torch's "Torch not compiled with CUDA enabled"."""
     with pytest.raises((ValueError, RuntimeError), match=r"\bdevice\b"):
         GraphRunner(ToyPagedModel(), max_batch_size=4, backend=backend, device="cuda", progress=False)
 
@@ -187,6 +189,8 @@ def test_max_batch_size_in_a_config_and_beside_it_is_refused_naming_both(in_conf
 
 
 def test_check_command_with_a_factory_returning_none_says_so_and_exits_2(tmp_path, monkeypatch, capsys):
+    """``python -m graphrt.check module:fn`` whose ``fn`` returns None is a usage error (exit 2) that
+    says so, not a report on ``None`` as if it were the step."""
     (tmp_path / "faithful_none_factory.py").write_text("def make():\n    return None\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -216,6 +220,9 @@ def graphrt_records(caplog, level: int):
 
 
 def test_a_padded_capture_recovered_at_the_call_size_is_info_not_a_warning(caplog):
+    """Calls of 3 rows padded to 4: the 4-row capture fails, the 3-row key records and replays. No
+    step runs eagerly for it, so nothing is logged as a WARNING; an INFO line says the call's size
+    gets a graph of its own."""
     caplog.set_level(logging.INFO, logger="graphrt")
     fast = wrap(RowsOfThree(), max_batch_size=4, capture_sizes=[4], backend="emulated")
     for _ in range(3):
