@@ -11,8 +11,8 @@ tensor unchanged does not. Ports of PyTorch's ``test/inductor/test_cudagraph_tre
 Grad mode. A call whose eager outputs would carry autograd history (parameters that require
 grad, not only inputs) runs eagerly with autograd, warm-ups included, so a training loop through
 wrap() trains as eager does. Port of PyTorch's ``test/test_cuda.py::
-test_graph_make_graphed_callables``: four callables graphed, ten SGD steps with dropout, the
-parameters equal to a control model's.
+test_graph_make_graphed_callables``: three model sections, ``relu`` and ``mse_loss`` each wrapped,
+ten SGD steps with dropout, the parameters equal to a control model's.
 
 All on the emulated backend, compared bitwise with eager (the same ops on the same inputs).
 """
