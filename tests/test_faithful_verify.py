@@ -143,7 +143,8 @@ def wrong_step(kind: str, dtype: torch.dtype):
     return outside_the_dispatcher, x
 
 
-WRONG_KINDS = ["non-causal attention under capture", "a path taken only under capture", "a kernel outside the dispatcher"]
+WRONG_KINDS = ["non-causal attention under capture", "a path taken only under capture",
+               "a kernel outside the dispatcher"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
