@@ -12,7 +12,7 @@ import enum
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -135,13 +135,14 @@ class ForwardBatch:
         return self.input_ids.shape[0] if isinstance(self.input_ids, torch.Tensor) else 0
 
     def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None,
-                 check_values: Optional[bool] = None) -> None:
+                 check_values: Optional[bool] = None, limits: Sequence[Tuple[str, int]] = ()) -> None:
         """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU unless asked.
 
         ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
-        ``check_values``: also read tensor values (non-negative indices, ``seq_lens_sum``); default:
-        for host tensors always, for device tensors only in debug mode (``debug``, default from
-        GRAPHRT_DEBUG), since reading them synchronizes.
+        ``check_values``: also read tensor values (non-negative indices, indices below ``limits``,
+        ``seq_lens_sum``); default: for host tensors always, for device tensors only in debug mode
+        (``debug``, default from GRAPHRT_DEBUG): reading them synchronizes once.
+        ``limits``: (field, table size) pairs, e.g. ``table_sizes(context)``.
         """
         mode = self.forward_mode
         if mode.__class__ is not ForwardMode:
@@ -184,26 +185,40 @@ class ForwardBatch:
         if check_values is None:
             check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
         if check_values:
-            self._check_values(specs, tensors)
+            self._check_values(specs, tensors, limits)
         elif mirror is not None:
             self._check_seq_lens_sum(mirror)
 
-    def _check_values(self, specs: Sequence[FieldSpec], tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    def _check_values(self, specs: Sequence[FieldSpec], tensors: Sequence[Optional[torch.Tensor]],
+                      limits: Sequence[Tuple[str, int]]) -> None:
         """Value checks (they read the tensors): one minimum per dtype over the index fields (a
-        concatenation of mixed dtypes would cost a type promotion), and the sum of seq_lens."""
+        concatenation of mixed dtypes would cost a type promotion), the maximum of each field with
+        a known table size, and the sum of seq_lens; device values reach the host in one copy."""
         groups: dict = {}
         for tensor in tensors:
             if tensor is not None and tensor.numel():
                 groups.setdefault(tensor.dtype, []).append(tensor)
-        for group in groups.values():
-            if int((group[0] if len(group) == 1 else torch.cat(group)).min()) < 0:
-                for spec, tensor in zip(specs, tensors):
-                    if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
-                        raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")
-        self._check_seq_lens_sum(self.seq_lens if self.seq_lens_cpu is None else self.seq_lens_cpu)
+        reductions = [(group[0] if len(group) == 1 else torch.cat(group)).min() for group in groups.values()]
+        bounded = [(name, size, getattr(self, name)) for name, size in limits]
+        bounded = [(name, size, tensor) for name, size, tensor in bounded if tensor is not None and tensor.numel()]
+        reductions += [tensor.max() for _, _, tensor in bounded]
+        summed = self.seq_lens_cpu is None
+        if summed:
+            reductions.append(self.seq_lens.sum())
+        values = _read(reductions)
+        if any(value < 0 for value in values[:len(groups)]):
+            for spec, tensor in zip(specs, tensors):
+                if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
+                    raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")
+        for (name, size, _), largest in zip(bounded, values[len(groups):]):
+            if largest >= size:
+                raise ValueError(f"{name}: expected indices below {size} (the size of the table it indexes), "
+                                 f"got {largest}; an index past a table inside a CUDA graph kills the CUDA context")
+        self._check_seq_lens_sum(self.seq_lens_cpu if not summed else values[-1])
 
-    def _check_seq_lens_sum(self, seq_lens: torch.Tensor) -> None:
-        total = int(seq_lens.sum())
+    def _check_seq_lens_sum(self, seq_lens: Any) -> None:
+        """``seq_lens_sum`` against the sum of a host mirror (a tensor) or a sum already read (an int)."""
+        total = seq_lens if isinstance(seq_lens, int) else int(seq_lens.sum())
         if total != self.seq_lens_sum:
             raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
 
@@ -221,6 +236,27 @@ class ForwardBatch:
                 f"extend_seq_lens_cpu: expected entries summing to {num_tokens} tokens, "
                 f"got {sum(self.extend_seq_lens_cpu)}"
             )
+
+
+def _read(values: List[torch.Tensor]) -> List[int]:
+    """0-d tensors as ints: one by one from host memory, in one copy (one sync) from a device."""
+    if not values or values[0].device.type == "cpu":
+        return [int(value) for value in values]
+    return torch.stack([value.to(torch.int64) for value in values]).tolist()
+
+
+def table_sizes(context: Any) -> Tuple[Tuple[str, int], ...]:
+    """The table sizes batch indices must stay below, where the batch context tells them: the KV
+    pool's slots (``out_cache_loc``) and the request pool's rows (``req_pool_indices``). A pool
+    gives its size as ``num_slots`` / ``num_requests`` (graphrt.reference) or ``size`` (SGLang's)."""
+    sizes = []
+    for field_name, pool_name, attribute in (("out_cache_loc", "token_to_kv_pool", "num_slots"),
+                                             ("req_pool_indices", "req_to_token_pool", "num_requests")):
+        pool = context.get(pool_name)
+        size = getattr(pool, attribute, getattr(pool, "size", None)) if pool is not None else None
+        if type(size) is int:
+            sizes.append((field_name, size))
+    return tuple(sizes)
 
 
 def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch.device]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -118,27 +117,30 @@ class KeyCapture:
                                              entry.pool_bytes, entry.reason, entry.verify_seconds, _pieces(entry)))
         return report
 
-    def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int) -> bool:
+    def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "") -> bool:
         """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
         write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
-        the reason (its steps run eagerly). True when READY."""
+        the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY."""
         step = recorded_step(entry)
-        record = self.backend.capture if entry.record is None else (lambda fn: entry.record(self.backend, fn))
+        record: Optional[Record] = None
+        if entry.record is not None:
+            record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
+        journal = StateJournal()
         try:
-            graph = capture_graph(self.backend, step, warmup_iters, record)
+            graph = capture_graph(self.backend, step, warmup_iters, record, journal)
         except Exception as error:  # a failed capture disables only this key
-            registry.mark_failed(entry, error)
+            registry.mark_failed(entry, error, then=then)
             return False
         if self.verify:
             start = time.perf_counter()
             try:
-                verify_graph(graph, step, same_value)
+                verify_graph(graph, step, same_value, journal)
             except Exception as error:  # a mismatch (VerifyError) or a replay that raised: this key only
-                registry.mark_failed(entry, error, GraphStatus.VERIFY_FAILED)
+                registry.mark_failed(entry, error, GraphStatus.VERIFY_FAILED, then)
                 return False
             finally:
                 entry.verify_seconds = time.perf_counter() - start
-        registry.mark_ready(entry, graph)
+        registry.mark_ready(entry, graph, journal.written, journal.reads_grad)
         return True
 
 
@@ -171,12 +173,17 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     return run
 
 
-def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int,
-                  record: Optional[Callable[[Callable[[], Any]], CapturedGraph]] = None) -> CapturedGraph:
-    """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record``, default
-    ``backend.capture``); every in-place write undone."""
+Record = Callable[[Callable[[], Any], Sequence[torch.Generator]], CapturedGraph]
+
+
+def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
+                  journal: Optional[StateJournal] = None) -> CapturedGraph:
+    """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
+    default ``backend.capture``); every in-place write and every random draw undone. The
+    generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
+    ``journal``: the StateJournal to use, for a caller that reads what the step wrote."""
     record = backend.capture if record is None else record
-    journal = StateJournal()
+    journal = StateJournal() if journal is None else journal
     graph = None
     with torch.no_grad():
         try:
@@ -184,12 +191,13 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                 with backend.warmup_context():
                     for _ in range(warmup_iters):
                         fn()
+                generators = journal.generators.explicit()
                 if backend.capture_executes:
-                    graph = record(fn)
+                    graph = record(fn, generators)
         finally:
             journal.restore()
         if graph is None:
-            graph = record(fn)
+            graph = record(fn, generators)
     return graph
 
 
@@ -197,22 +205,25 @@ class VerifyError(RuntimeError):
     """A graph's first replay differs from eager on the same inputs: the key must not serve."""
 
 
-def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_leaf: Callable[[Any, Any], bool]) -> None:
-    """Run ``fn`` eagerly, then replay ``graph``, on the same inputs and state; raise VerifyError
-    naming the first output or state region that differs beyond ``torch.testing.assert_close``'s
-    per-dtype tolerance. Every write of both runs is undone. ``fn`` returns the output leaves;
-    ``same_leaf(replayed, eager)`` compares its non-tensor leaves (the caller's rule for constants).
+def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_leaf: Callable[[Any, Any], bool],
+                 journal: Optional[StateJournal] = None) -> None:
+    """Run ``fn`` eagerly, then replay ``graph``, on the same inputs, state and generator states;
+    raise VerifyError naming the first output or state region that differs by more than rounding
+    (``rounding_tolerance``). Every write and random draw of both runs is undone. ``fn`` returns
+    the output leaves; ``same_leaf(replayed, eager)`` compares its non-tensor leaves (the caller's
+    rule for constants). ``journal``: the StateJournal to use, for a caller that reads what the
+    step wrote.
 
-    This catches what no recording sees: kernels outside the dispatcher, random ops (eager and
-    replay draw other numbers), a model whose path differs under capture."""
-    journal = StateJournal()
-    with torch.no_grad(), _random_state_kept():
+    This catches what no recording sees: kernels outside the dispatcher, a model whose path
+    differs under capture, draws from a generator the graph does not advance as eager does."""
+    journal = StateJournal() if journal is None else journal
+    with torch.no_grad():
         try:
             with journal:
                 expected = [_owned(leaf) for leaf in fn()]
             regions = list(journal.regions)  # what eager wrote; the replay must write the same
             expected_state = [region.current() for region in regions]
-            journal.put_back()
+            journal.put_back()  # the state and generators the eager run started from
             with journal:  # the emulated replay's writes are journaled; a CUDA replay writes the regions above
                 graph.replay()
             _compare(expected, list(graph.outputs), [f"output leaf {i}" for i in range(len(expected))], same_leaf)
@@ -223,10 +234,31 @@ def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_lea
             journal.restore()
 
 
-def _random_state_kept() -> AbstractContextManager:
-    """Leave torch's random generators as they were: verifying draws numbers no step would."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return torch.random.fork_rng(devices=devices)
+# ulps of a tensor's largest magnitude that rounding explains (see rounding_tolerance)
+ROUNDING_ULPS = 8
+# torch.testing.assert_close's default (rtol, atol) per floating dtype (its documented table)
+DEFAULT_TOLERANCES = {
+    torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5), torch.float64: (1e-7, 1e-7),
+}
+
+
+def rounding_tolerance(expected: torch.Tensor) -> Dict[str, float]:
+    """``assert_close`` tolerances that accept what rounding explains and nothing more.
+
+    A graph can differ from eager only by rounding: under capture a library may pick another kernel
+    (transformers builds an explicit mask instead of SDPA's ``is_causal`` shortcut, another
+    accumulation order). Each element then differs by a few units in the last place (ulps) of
+    the magnitudes it was computed from, which torch's per-element relative tolerance misses for
+    elements near zero. So the absolute tolerance is ``ROUNDING_ULPS`` ulps of the tensor's largest
+    finite magnitude (float32: 9.5e-7 of it; bfloat16: 6.3%; float16: 0.8%), or torch's default when
+    larger. A graph that computes something else (a capture-only path, a write no recording saw)
+    differs by a large fraction of the values and still fails."""
+    rtol, atol = DEFAULT_TOLERANCES.get(expected.dtype, (None, None))
+    if rtol is None or not expected.numel():
+        return {}
+    magnitude = float(expected.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+    return {"rtol": rtol, "atol": max(atol, ROUNDING_ULPS * torch.finfo(expected.dtype).eps * magnitude)}
 
 
 def _owned(leaf: Any) -> Any:
@@ -243,7 +275,7 @@ def _compare(expected: Sequence[Any], actual: Sequence[Any], names: Sequence[str
     for name, want, got in zip(names, expected, actual):
         if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
             try:
-                torch.testing.assert_close(got, want, equal_nan=True)
+                torch.testing.assert_close(got, want, equal_nan=True, **rounding_tolerance(want))
             except AssertionError as error:
                 detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
                 raise VerifyError(f"{name} differs from eager: {detail}") from None

@@ -6,6 +6,7 @@ ValueError/TypeError naming it before anything is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -22,6 +23,7 @@ from graphrt.stats import histogram_from
 from graphrt.ubatch import UBatchConfig
 
 DEFAULT_PAD_VALUES = {spec.name: spec.pad_value for spec in DECODE_SPECS}
+DERIVED_FROM_MAX_BATCH_SIZE = ("capture_sizes", "extend_capture_sizes", "piecewise_sizes")
 DEFAULT_EXTEND_TOKENS = (64, 128, 256, 512)
 
 
@@ -77,6 +79,7 @@ class RunnerConfig:
     piecewise_sizes: Optional[Sequence[int]] = None
 
     def __post_init__(self) -> None:
+        unset = [name for name in DERIVED_FROM_MAX_BATCH_SIZE if getattr(self, name) is None]
         for name, least in (("max_batch_size", 1), ("warmup_iters", 0)):
             value = getattr(self, name)
             if type(value) is not int or value < least:
@@ -100,9 +103,25 @@ class RunnerConfig:
             if self.ubatch.threaded:
                 raise ValueError("ubatch.threaded: expected False: one runner's graphs share static buffers, "
                                  "so its micro-batches must replay one after another")
+        # Sizes left unset and filled in from max_batch_size (with_options must not keep them stale).
+        self._set("_derived", tuple(name for name in unset if getattr(self, name)))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
+
+    def with_options(self, **options: Any) -> "RunnerConfig":
+        """This config with ``options`` replacing its values (``GraphRunner(model, config, **options)``).
+        A different ``max_batch_size`` is refused while sizes this config derived from its own
+        ``max_batch_size`` are not given too: they would no longer fit, and an error about them
+        would name options the user never set."""
+        size = options.get("max_batch_size", self.max_batch_size)
+        stale = [name for name in self._derived if name not in options]
+        if size != self.max_batch_size and stale:
+            raise ValueError(
+                f"max_batch_size: {size!r} given beside a RunnerConfig with max_batch_size={self.max_batch_size}, "
+                f"whose default sizes were derived from {self.max_batch_size}; give max_batch_size in one place "
+                f"(build the RunnerConfig with max_batch_size={size!r})")
+        return dataclasses.replace(self, **options)
 
     def _checked_capture_sizes(self) -> Union[Tuple[int, ...], str]:
         sizes = self.capture_sizes

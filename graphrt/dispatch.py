@@ -10,7 +10,9 @@ backend's replay hook. The replay itself belongs to the key (``GraphEntry.replay
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Set, Tuple
+
+import torch
 
 from graphrt.batch import (
     CONTEXT_FIELDS, DECODE_SPECS, EXTEND_SPECS, TOKEN_FIELDS, ForwardBatch, ForwardMode, field_getter,
@@ -82,10 +84,19 @@ class DecodeStager:
         self._replay_hook = getattr(context.get("attn_backend"), "init_forward_metadata_replay", None)
 
     specs = DECODE_SPECS
+    fields = staticmethod(_decode_fields)
 
     def stage(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch, num_tokens: int, num_reqs: int) -> None:
         self._plan.stage(_decode_fields(batch), num_tokens, num_reqs)
         self._finish(entry.key, entry.static_inputs, batch, num_reqs)
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        return self._plan.written(storages)
+
+    def write_back(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch, num_tokens: int, num_reqs: int) -> None:
+        key = entry.key
+        self._plan.write_back(self.fields(batch), entry.written_inputs, num_tokens, num_reqs, key.num_tokens,
+                              key.num_reqs)
 
     def _finish(self, key: GraphKey, static: ForwardBatch, batch: ForwardBatch, num_reqs: int) -> None:
         """The padded ``seq_lens_sum``, then the attention backend refreshes its metadata from the
@@ -107,6 +118,7 @@ class ExtendStager(DecodeStager):
     offsets never decrease) and the host mirrors are rebuilt, never left from a previous step."""
 
     specs = EXTEND_SPECS
+    fields = staticmethod(_extend_fields)
 
     def __init__(self, buffers: InputBufferManager, context: Mapping[str, Any]) -> None:
         super().__init__(buffers, context)
@@ -136,6 +148,13 @@ class TokenStager:
 
     def reset(self) -> None:
         self.buffers.reset()
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        return self._plan.written(storages)
+
+    def write_back(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch, num_tokens: int, num_reqs: int) -> None:
+        padded = entry.key.num_tokens
+        self._plan.write_back(_token_fields(batch), entry.written_inputs, num_tokens, num_tokens, padded, padded)
 
 
 def with_context(batch: ForwardBatch, context: Mapping[str, Any]) -> ForwardBatch:

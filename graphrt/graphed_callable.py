@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
@@ -43,7 +44,7 @@ from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.rebind_guard import RebindGuard
 from graphrt.registry import (
-    STATUS_REASONS, EagerReason, GraphEntry, GraphKey, GraphRegistry, merged_summary, replay_or_eager,
+    STATUS_REASONS, EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind, merged_summary, replay_or_eager,
 )
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -58,15 +59,17 @@ CHURN_LIMIT = 4  # layouts of one family opened in a row without a recording bef
 
 @dataclass(eq=False)
 class LayoutGraphs:
-    """What one call layout holds: its keys' graphs and warm-up counts."""
+    """What one call layout holds: its keys' graphs, warm-up counts, and whether ``fn``'s eager
+    outputs for it carry autograd history in grad mode (None: not seen yet)."""
 
     registry: GraphRegistry
     warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
-    exact_logged: bool = False
+    autograd: Optional[bool] = None
 
 
 class SignatureStager:
-    """Stages a call into the static slots of one layout (``CallSignature.stage``)."""
+    """Stages a call into the static slots of one layout (``CallSignature.stage``) and writes
+    arguments the graph writes in place back into the caller's tensors."""
 
     __slots__ = ("signature",)
 
@@ -78,6 +81,16 @@ class SignatureStager:
 
     def reset(self) -> None:
         self.signature.buffers.reset()
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        positions = self.signature.written(storages)
+        if positions:
+            logger.info("wrap(): the function writes %s in place; replays copy it back to the caller",
+                        ", ".join(self.signature.written_paths(positions)))
+        return positions
+
+    def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
+        self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
 
 
 class GraphedCallable:
@@ -96,6 +109,8 @@ class GraphedCallable:
         verify: bool = True,
         max_signatures: int = MAX_SIGNATURES,
     ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable (a function or module of tensors), got {type(fn).__name__}")
         refuse_compiled_cudagraphs(fn, "fn")
         self.fn = fn
         self.__wrapped__ = fn  # inspect.signature(self) is fn's: generate() passes forward the kwargs it accepts
@@ -135,7 +150,7 @@ class GraphedCallable:
         if self.backend_name != "eager":
             stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
-                              lambda key: self._make_entry(signature, stager, key))
+                              lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
         return LayoutGraphs(registry)
 
     @staticmethod
@@ -198,6 +213,7 @@ class GraphedCallable:
             report = self.capturer.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
             if report.ok:
                 self.layouts.recorded(layout)
+                self._learn_autograd(layout)
             return report
 
     # ---- per call ---------------------------------------------------------------------------------
@@ -208,16 +224,17 @@ class GraphedCallable:
             layout, leaves, batch_size = self.layouts.find(args, kwargs)
             if batch_size:
                 self._stats.record_size(MODE, batch_size)
-            if torch.is_grad_enabled():
-                if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
-                    return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-                self._warn_grad_mode()
+            autograd = torch.is_grad_enabled()
+            if autograd and any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
             if layout is None:
                 return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
             if self.backend_name == "eager":
                 return self._run_eager(EagerReason.GRAPHS_DISABLED, layout, batch_size, args, kwargs)
             graphs = layout.graphs
-            decision = graphs.registry.lookup(MODE, batch_size, batch_size)
+            if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
+                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+            decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
             reason = decision.reason
             padded = None if decision.entry is None else decision.entry.key.num_tokens
             if layout.signature.tentative and padded is not None and batch_size != padded:
@@ -226,10 +243,13 @@ class GraphedCallable:
                 return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
             elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
                 # Another size padded to a key whose capture failed: a key of its own, warmed up first.
-                entry = self._exact_size_entry(layout, decision.entry, batch_size)
+                entry = self._exact_size_entry(layout, batch_size)
                 return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(reason, layout, batch_size, args, kwargs)
+            if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
+                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+            self._warn_grad_mode(autograd)
             return replay_or_eager(decision.entry, leaves, batch_size, batch_size,
                                    self._run_eager, layout, batch_size, args, kwargs)
 
@@ -247,53 +267,72 @@ class GraphedCallable:
         if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
             return self._run_eager(EagerReason.AXIS_PROBE, layout, batch_size, args, kwargs)
+        if torch.is_grad_enabled() and graphs.autograd is None:  # whether eager outputs carry history: see once
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
         captured = self._record(layout, entry, leaves, batch_size)
         if not captured and batch_size != padded:
-            entry = self._exact_size_entry(layout, entry, batch_size)
+            entry = self._exact_size_entry(layout, batch_size)
             captured = self._record(layout, entry, leaves, batch_size)
         if not captured:  # capture_failed, or verify_failed
             return self._run_eager(STATUS_REASONS[entry.status], layout, batch_size, args, kwargs)
         self.layouts.recorded(layout)
-        decision = graphs.registry.lookup(MODE, batch_size, batch_size)
+        self._learn_autograd(layout)
+        decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
+        self._warn_grad_mode(torch.is_grad_enabled())
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
+    @staticmethod
+    def _learn_autograd(layout: Layout[LayoutGraphs]) -> None:
+        """A captured step that read no tensor requiring grad cannot give eager outputs autograd
+        history: grad-mode calls of this layout replay without an eager call to see it."""
+        if layout.graphs.autograd is None and not any(
+                entry.reads_grad for entry in layout.graphs.registry.entries.values() if entry.graph is not None):
+            layout.graphs.autograd = False
+
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
-        """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays."""
+        """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays.
+        A padded key that fails is not final: the call's own size gets a graph (logged as INFO)."""
         layout.signature.stage(leaves, batch_size)
         self._static_inputs(layout.signature, entry)
+        padded = entry.key.num_tokens
+        then = "" if batch_size == padded else f"calls of {batch_size} rows get a graph at their own size"
         with self.backend.capture_session():
-            return self.capturer.capture_entry(layout.graphs.registry, entry, warmup_iters=0)
+            return self.capturer.capture_entry(layout.graphs.registry, entry, 0, then)
 
-    def _exact_size_entry(self, layout: Layout[LayoutGraphs], failed: GraphEntry, batch_size: int) -> GraphEntry:
-        """A key of the call's own size, for a padded capture that failed (logged once per layout)."""
-        graphs = layout.graphs
-        if not graphs.exact_logged:
-            graphs.exact_logged = True
-            logger.info("wrap(): capture at the padded size %s failed (%s); calls of %d rows get a graph at "
-                        "their own size", failed.key, failed.reason, batch_size)
+    def _exact_size_entry(self, layout: Layout[LayoutGraphs], batch_size: int) -> GraphEntry:
+        """A key of the call's own size, for a size whose padded key's capture failed."""
         stager = SignatureStager(layout.signature)
-        return graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, stager, key))
+        return layout.graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, stager,
+                                                                                               key), KeyKind.CALL)
 
     def _run_eager(self, reason: EagerReason, layout: Optional[Layout[LayoutGraphs]], batch_size: int,
                    args: tuple, kwargs: dict) -> Any:
-        """``fn`` on the caller's arguments, counted under ``reason``; warm-up and probe runs show output axes."""
+        """``fn`` on the caller's arguments, counted under ``reason``. In grad mode it runs with
+        autograd (eager outputs carry history where eager's would) and shows whether the layout's
+        outputs carry history; warm-up and probe runs show output axes."""
         self._stats.record_eager(reason, batch_size)
-        if reason is EagerReason.AUTOGRAD:
+        if reason is EagerReason.AUTOGRAD and layout is None:
             return self.fn(*args, **kwargs)
-        with torch.no_grad():
+        if torch.is_grad_enabled():
+            outputs = self.fn(*args, **kwargs)
+            if layout is not None:
+                layout.graphs.autograd = any(isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                                             for leaf in tree_leaves(outputs))
+        else:
             outputs = self.fn(*args, **kwargs)
         if reason in _OBSERVED_EAGER:
-            layout.graphs.registry.observe_eager(GraphKey(MODE, batch_size, batch_size), batch_size, batch_size,
-                                                 outputs)
+            layout.graphs.registry.observe_eager(GraphKey(MODE, batch_size, batch_size, KeyKind.CALL), batch_size,
+                                                 batch_size, outputs)
         return outputs
 
-    def _warn_grad_mode(self) -> None:
-        if not self._grad_warned:
+    def _warn_grad_mode(self, grad_mode: bool) -> None:
+        """Say once that grad mode costs nothing here: the replayed outputs carry no history, as eager's would not."""
+        if grad_mode and not self._grad_warned:
             self._grad_warned = True
-            logger.info("wrap(): called with grad mode on: outputs of graph replays carry no autograd history "
-                           "(graphs are for inference); call it under torch.inference_mode() or torch.no_grad()")
+            logger.info("wrap(): called with grad mode on, nothing requiring grad: calls replay (their outputs carry "
+                        "no autograd history, as eager's would not)")
 
     def stats(self) -> Dict[str, Any]:
         """Same counters as GraphRunner.stats(), plus the argument layouts wrap() inferred.

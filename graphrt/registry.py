@@ -12,7 +12,9 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Generic, List, Mapping, NamedTuple, Optional, Protocol, Tuple, TypeVar
+from typing import (
+    Any, Callable, Dict, FrozenSet, Generic, List, Mapping, NamedTuple, Optional, Protocol, Set, Tuple, TypeVar,
+)
 
 import torch
 
@@ -27,10 +29,12 @@ logger = logging.getLogger(__name__)
 
 
 class KeyKind(str, enum.Enum):
-    """What a key's graph is: the whole step, or pieces around ops run eagerly (splitting ops)."""
+    """What a key's graph is: the whole step, pieces around ops run eagerly (splitting ops), or a
+    call of a function ``wrap()`` graphs (whatever the call computes: a prefill, a decode step)."""
 
     FULL = "full"
     PIECEWISE = "piecewise"
+    CALL = "call"
 
 
 class GraphKey(NamedTuple):
@@ -44,6 +48,8 @@ class GraphKey(NamedTuple):
     def __str__(self) -> str:
         if self.kind is KeyKind.PIECEWISE:
             return f"piecewise/tokens={self.num_tokens}"
+        if self.kind is KeyKind.CALL:
+            return f"call/bs={self.num_reqs}"
         if self.num_tokens == self.num_reqs:
             return f"{self.mode.name.lower()}/bs={self.num_reqs}"
         return f"{self.mode.name.lower()}/tokens={self.num_tokens},reqs={self.num_reqs}"
@@ -96,6 +102,13 @@ class Stager(Protocol):
 
     def reset(self) -> None:
         """Every static slot back to its pad value (after a failed step, before a capture)."""
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        """Which of the staged inputs a captured step writes in place (their storages among ``storages``)."""
+
+    def write_back(self, entry: "GraphEntry", call: Any, num_tokens: int, num_reqs: int) -> None:
+        """After a replay that wrote staged inputs (``entry.written_inputs``): their live rows back
+        into the caller's tensors, as the eager call would have left them."""
 
 
 class CutOutputs:
@@ -151,7 +164,7 @@ class GraphEntry(Generic[StaticInputs]):
     passthrough: FrozenSet[int] = frozenset()  # ids of argument objects the step may return as they are
     stager: Optional[Stager] = None
     count: Callable[[int, int], None] = _no_count  # the front's counter of one replay (real, padded tokens)
-    record: Optional[Callable[[GraphBackend, Callable[[], Any]], CapturedGraph]] = None  # None: backend.capture
+    record: Optional[Callable[..., CapturedGraph]] = None  # record(backend, fn, generators); None: backend.capture
     graph: Optional[CapturedGraph] = None
     status: GraphStatus = GraphStatus.PENDING
     reason: Optional[str] = None
@@ -161,12 +174,16 @@ class GraphEntry(Generic[StaticInputs]):
     hits: int = 0
     cuts: Dict[Tuple[int, int], CutOutputs] = field(default_factory=dict, repr=False)  # real size -> outputs
     output_structure: Any = field(default=None, repr=False)  # how graph.outputs (leaves) rebuild the result
+    written_inputs: Tuple[int, ...] = ()  # the staged inputs the step writes in place (the stager's positions)
+    reads_grad: bool = True  # whether the captured step read a tensor that requires grad (True until captured)
 
     def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
         """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the
-        registry's lookup prepared), replay, cut the real rows, count."""
+        registry's lookup prepared), replay, write written inputs back, cut the real rows, count."""
         self.stager.stage(self, call, num_tokens, num_reqs)
         self.graph.replay()
+        if self.written_inputs:
+            self.stager.write_back(self, call, num_tokens, num_reqs)
         outputs = self.cuts[num_tokens, num_reqs].result()
         self.hits += 1
         self.count(num_tokens, self.key.num_tokens)
@@ -245,17 +262,18 @@ class GraphRegistry:
             padded = build_pad_table(grid.token_sizes)
             self._by_rows[mode, kind] = [self.entries[GraphKey(mode, size, size, kind)] for size in padded]
 
-    def add_size(self, mode: ForwardMode, size: int, make_entry: Callable[[GraphKey], GraphEntry]) -> GraphEntry:
+    def add_size(self, mode: ForwardMode, size: int, make_entry: Callable[[GraphKey], GraphEntry],
+                 kind: KeyKind = KeyKind.FULL) -> GraphEntry:
         """Register the diagonal key (size, size) beside ``mode``'s grid, keeping its other keys and
         graphs: calls of exactly ``size`` rows use it from now on (a size padding cannot serve)."""
-        table = (mode, KeyKind.FULL)
+        table = (mode, kind)
         grid = self.grids[table][0]
         sizes = sorted({*grid.token_sizes, size})
-        key = GraphKey(mode, size, size)
+        key = GraphKey(mode, size, size, kind)
         entry = self.entries[key] = make_entry(key)
         pad_table = build_pad_table(sizes)
         self.grids[table] = (SizeGrid.for_decode(sizes), pad_table, pad_table)
-        self._by_rows[table] = [self.entries[GraphKey(mode, padded, padded)] for padded in pad_table]
+        self._by_rows[table] = [self.entries[GraphKey(mode, padded, padded, kind)] for padded in pad_table]
         return entry
 
     def remove_mode(self, mode: ForwardMode) -> None:
@@ -338,18 +356,32 @@ class GraphRegistry:
 
     # ---- capture outcomes ---------------------------------------------------------------------
 
-    def mark_ready(self, entry: GraphEntry, graph: CapturedGraph) -> None:
-        """``entry`` replays ``graph`` from now on; its output shapes join the batch-axis evidence."""
+    def mark_ready(self, entry: GraphEntry, graph: CapturedGraph, written: Set[Tuple[torch.device, int]] = frozenset(),
+                   reads_grad: bool = True) -> None:
+        """``entry`` replays ``graph`` from now on; its output shapes join the batch-axis evidence.
+        ``written``: the storages the captured step wrote; the staged inputs among them are written
+        back to the caller after every replay. ``reads_grad``: whether the step read a tensor that
+        requires grad."""
         key = entry.key
         entry.graph, entry.status, entry.pool_bytes, entry.reason = graph, GraphStatus.READY, graph.pool_bytes, None
+        entry.reads_grad = reads_grad
+        entry.written_inputs = entry.stager.written(written) if entry.stager is not None and written else ()
+        if entry.written_inputs:
+            logger.info("%s writes %d of its inputs in place: each replay copies them back to the caller",
+                        key, len(entry.written_inputs))
         entry.cuts.clear()
         self.axes.observe((key.kind, key.mode), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
         self._set_cut(entry, key.num_tokens, key.num_reqs, list(graph.outputs))
 
-    def mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED) -> None:
-        """``entry``'s capture failed: its steps run eagerly, with the reason kept."""
+    def mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED,
+                    then: str = "") -> None:
+        """``entry``'s capture failed, with the reason kept: a WARNING that its steps run eagerly, or
+        an INFO saying ``then``, what happens instead (a graph at the call's own size)."""
         entry.status, entry.reason = status, f"{type(error).__name__}: {error}"
-        logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
+        if then:
+            logger.info("capture of %s failed (%s); %s", entry.key, entry.reason, then)
+        else:
+            logger.warning("capture of %s failed, it will run eagerly: %s", entry.key, entry.reason)
 
     def disable(self, key: GraphKey, reason: str) -> None:
         """Take ``key`` out of use (its steps run eagerly) and drop its graph."""

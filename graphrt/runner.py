@@ -20,7 +20,7 @@ import torch
 from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
-from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled
+from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled, table_sizes
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
@@ -47,12 +47,15 @@ class GraphRunner:
     """
 
     def __init__(self, model: Callable[..., Any], config: Optional[RunnerConfig] = None, **options: Any) -> None:
+        if not callable(model):
+            raise TypeError(f"model: expected a callable model(input_ids, positions, forward_batch), "
+                            f"got {type(model).__name__}")
         if config is None:
             config = RunnerConfig(**options)
         elif not isinstance(config, RunnerConfig):
             raise TypeError(f"config: expected a RunnerConfig, got {type(config).__name__}")
         elif options:
-            config = dataclasses.replace(config, **options)
+            config = config.with_options(**options)
         refuse_compiled_cudagraphs(model, "model")
         requested = resolve_backend_name(config.backend)
         self.model = model
@@ -62,6 +65,7 @@ class GraphRunner:
         self.debug = debug_enabled() if config.debug is None else config.debug
         self.context: Mapping[str, Any] = config.batch_context  # read-only views of the checked options
         self.pad_values: Mapping[str, int] = config.pad_values
+        self._limits = table_sizes(self.context)  # (field, table size) for the value checks
         self._stats = RuntimeStats()
         if config.histogram is not None:
             self._stats.merge_histogram(config.histogram)
@@ -248,7 +252,7 @@ class GraphRunner:
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
         with self._lock:
-            batch.validate(self.device, self.debug, self.config.check_values)
+            batch.validate(self.device, self.debug, self.config.check_values, self._limits)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             if self._ubatch is not None and batch.forward_mode is ForwardMode.DECODE and (
                 batch.batch_size > self.capture_sizes[-1]
@@ -273,7 +277,7 @@ class GraphRunner:
                 if batch is not None:
                     if not isinstance(batch, ForwardBatch):
                         raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-                    batch.validate(self.device, self.debug, self.config.check_values)
+                    batch.validate(self.device, self.debug, self.config.check_values, self._limits)
                     if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
                         raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
             except (TypeError, ValueError) as caught:

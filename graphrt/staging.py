@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
@@ -281,6 +281,26 @@ class StagingPlan:
         for slot, rows in pads:
             if slot.high_water != rows:
                 slot.pad(rows)
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        """Positions of the slots whose memory is among ``storages`` (what a captured step wrote)."""
+        return tuple(position for position, slot in enumerate(self.slots)
+                     if (slot.tensor.device, slot.tensor.untyped_storage().data_ptr()) in storages)
+
+    def write_back(self, live: Sequence[torch.Tensor], positions: Tuple[int, ...], num_tokens: int, num_reqs: int,
+                   padded_tokens: int, padded_reqs: int) -> None:
+        """After a replay that wrote the slots at ``positions``: their live rows back into the
+        caller's tensors (as eager would have left them), and their padding rows, which the replay
+        wrote too, re-padded by the next ``stage``."""
+        with torch.no_grad():
+            for position in positions:
+                slot = self.slots[position]
+                if slot.axis is RowAxis.FIXED:
+                    live[position].copy_(slot.tensor)
+                    continue
+                tokens = slot.axis is RowAxis.TOKENS
+                live[position].copy_(slot.view(num_tokens if tokens else num_reqs))
+                slot.high_water = max(slot.high_water, padded_tokens if tokens else padded_reqs)
 
     @property
     def copies_per_step(self) -> int:

@@ -24,7 +24,7 @@ def double_rows(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("graphrt_test::double_rows_", mutates_args=("x",))
 def double_rows_(x: torch.Tensor) -> None:
-    """A splitting op that writes its argument in place (graphrt cannot place its output)."""
+    """A splitting op that writes its argument in place and returns nothing (as vLLM's attention writes ``out``)."""
     x.mul_(2)
 
 

@@ -178,7 +178,7 @@ def test_host_sync_fails_capture_naming_the_op_and_line(kind, op):
     x = torch.arange(1.0, 7.0).view(2, 3)
     for _ in range(3):
         torch.testing.assert_close(fast(x), model(x))  # eager every time, with the right result
-    reason = fast.stats()["failed_keys"]["decode/bs=2"]
+    reason = fast.stats()["failed_keys"]["call/bs=2"]
     assert reason.startswith(HostSyncError.__name__) and op in reason
     assert f"{__file__}:{_line_of('# sync: ' + kind)} in forward" in reason
     assert fast.stats()["eager_reasons"] == {"warmup": 1, "capture_failed": 2}

@@ -66,8 +66,8 @@ def test_wrapped_forward_replays_every_decode_step_after_warm_up_and_recording(k
     # every later step replays.
     assert stats["eager_reasons"] == {"warmup": 2}, stats
     assert stats["graph_runs"] == stats["histogram"]["DECODE"][3] - 2 >= 1
-    assert stats["key_hits"] == {"layout1:decode/bs=3": stats["graph_runs"]}
-    assert "index_copy_" in stats["failed_keys"]["layout1:decode/bs=4"]
+    assert stats["key_hits"] == {"layout1:call/bs=3": stats["graph_runs"]}
+    assert "index_copy_" in stats["failed_keys"]["layout1:call/bs=4"]
 
 
 @pytest.mark.parametrize("kind", GENERATE_MODELS)

@@ -50,7 +50,7 @@ def test_output_that_differs_from_eager_disables_the_key_and_names_the_output():
         assert torch.equal(out, x * 2)  # every call has eager's numbers
     stats = fast.stats()
     assert stats["graph_runs"] == 0 and stats["eager_reasons"] == {"warmup": 1, "verify_failed": 2}
-    reason = stats["failed_keys"]["decode/bs=4"]
+    reason = stats["failed_keys"]["call/bs=4"]
     assert reason.startswith("VerifyError: output leaf 0 differs from eager")
     assert "Greatest absolute difference" in reason
 
@@ -61,21 +61,27 @@ def test_state_write_that_differs_from_eager_is_named_with_its_op_and_line():
     x = torch.ones(4, 2)
     fast(x)
     fast(x)
-    reason = fast.stats()["failed_keys"]["decode/bs=4"]
+    reason = fast.stats()["failed_keys"]["call/bs=4"]
     assert "state written by aten.copy_.default" in reason
     assert "test_verify.py" in reason and "tensor [4] float32" in reason
     assert torch.equal(model.seen, torch.ones(4))  # the eager second call's write, as eager leaves it
 
 
-def test_dropout_in_training_mode_fails_verification_and_runs_eagerly():
+def test_dropout_in_training_mode_verifies_and_each_replay_draws_what_eager_draws():
+    """Verification runs eager and the replay from one generator state, so a random step verifies;
+    every call then draws what the eager call would draw at that point of the sequence."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
-    runner_fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
     with torch.no_grad():
-        for _ in range(3):
-            runner_fast(torch.randn(4, 8))
-    stats = runner_fast.stats()
-    assert stats["graph_runs"] == 0 and stats["eager_reasons"]["verify_failed"] == 2
+        torch.manual_seed(1)
+        graphed = [fast(x).clone() for x in inputs]
+        torch.manual_seed(1)
+        eager = [model(x) for x in inputs]
+    assert all(torch.equal(got, want) for got, want in zip(graphed, eager))
+    stats = fast.stats()
+    assert stats["graph_runs"] == 3 and stats["eager_reasons"] == {"warmup": 1} and not stats["failed_keys"]
 
 
 def test_kernel_outside_the_dispatcher_is_caught():

@@ -73,7 +73,7 @@ def test_a_call_with_another_layout_gets_graphs_of_its_own():
         fast(torch.randn(9, 16))
     stats = fast.stats()
     assert stats["eager_reasons"] == {"warmup": 3, "axis_probe": 1, "batch_too_large": 1}
-    assert stats["graph_runs"] == 3 and stats["key_hits"] == {"decode/bs=4": 1, "layout1:decode/bs=4": 2}
+    assert stats["graph_runs"] == 3 and stats["key_hits"] == {"call/bs=4": 1, "layout1:call/bs=4": 2}
     assert stats["arg_layout"] == {"args[0]": "dim 0"} and len(stats["layouts"]) == 3
 
 

@@ -32,7 +32,7 @@ def test_alternating_layouts_each_replay_their_own_graphs():
     stats = fast.stats()
     # Each of the 3 layouts: a warm-up call, then a recording call that replays, then replays.
     assert stats["eager_reasons"] == {"warmup": 3} and stats["graph_runs"] == 9
-    assert stats["key_hits"] == {"decode/bs=4": 3, "layout1:decode/bs=4": 3, "layout2:decode/bs=4": 3}
+    assert stats["key_hits"] == {"call/bs=4": 3, "layout1:call/bs=4": 3, "layout2:call/bs=4": 3}
     assert stats["layouts_dropped"] == 0 and stats["layout_churn"] == {}
 
 
@@ -97,8 +97,8 @@ def test_a_padded_capture_that_fails_is_recorded_at_the_call_size():
         torch.testing.assert_close(fast(x), reference(x), rtol=0, atol=0)
     assert torch.equal(module.total, reference.total), "each call wrote its rows exactly once"
     stats = fast.stats()
-    assert stats["eager_reasons"] == {"warmup": 1} and stats["key_hits"] == {"decode/bs=3": 4}
-    assert "decode/bs=4" in stats["failed_keys"] and stats["padded_tokens"] == 0
+    assert stats["eager_reasons"] == {"warmup": 1} and stats["key_hits"] == {"call/bs=3": 4}
+    assert "call/bs=4" in stats["failed_keys"] and stats["padded_tokens"] == 0
 
 
 @pytest.mark.parametrize("value,error", [(0, ValueError), ("8", TypeError), (True, TypeError)])
@@ -132,5 +132,5 @@ def test_every_size_padded_to_a_failed_key_gets_a_key_of_its_own():
     # 5: warm-up, then the 8-row recording fails and 5 rows are recorded in the same call; 6: the key
     # for 8 failed, so a 6-row key is warmed up on its first call and recorded on the next.
     assert stats["eager_reasons"] == {"warmup": 2}, stats
-    assert stats["key_hits"] == {"decode/bs=5": 3, "decode/bs=6": 2}
-    assert stats["failed_keys"] == {"decode/bs=8": "RuntimeError: 8 rows are not supported"}
+    assert stats["key_hits"] == {"call/bs=5": 3, "call/bs=6": 2}
+    assert stats["failed_keys"] == {"call/bs=8": "RuntimeError: 8 rows are not supported"}

@@ -140,7 +140,7 @@ def test_output_without_a_batch_axis_runs_padded_calls_eagerly():
     # bs=3 first probes the output axes (outputs were seen at bs=4 only), then knows output[1] cannot be cut
     assert stats["eager_reasons"] == {"warmup": 2, "axis_probe": 1, "unsliceable_output": 2}, stats
     assert stats["graph_runs"] == 3, "unpadded calls replay: the batch sum has no padding rows in it"
-    assert "output[1]" in stats["uncut_outputs"]["decode/bs=4"]
+    assert "output[1]" in stats["uncut_outputs"]["call/bs=4"]
 
 
 def test_non_tensor_output_that_follows_the_batch_size_is_not_frozen():
@@ -239,7 +239,7 @@ def test_capture_of_another_layout_captures_it_beside_the_first():
         assert_same(fast(*args, table).total, nested_fn(*args, table).total)
     stats = fast.stats()
     assert stats["graph_runs"] == 3 and stats["eager_runs"] == 0, stats
-    assert stats["key_hits"] == {"decode/bs=8": 2, "layout1:decode/bs=8": 1}
+    assert stats["key_hits"] == {"call/bs=8": 2, "layout1:call/bs=8": 1}
 
 
 def test_capture_refuses_to_pad_along_an_ambiguous_axis():
@@ -276,15 +276,22 @@ def test_inputs_that_require_grad_run_eagerly_and_gradients_flow():
     assert not any(slot.tensor.requires_grad for slot in fast.signature.buffers.slots.values())
 
 
-def test_grad_mode_without_grad_inputs_replays_inference_outputs():
+def test_grad_mode_with_parameters_that_require_grad_runs_eagerly_until_no_grad():
+    """Grad mode on, plain inputs, parameters that require grad: eager outputs carry history, so the
+    calls (the warm-up included) run eagerly with autograd; under no_grad the same sizes replay."""
     encoder, _ = encoder_and_embedding()
     fast = wrap(encoder, max_batch_size=8, capture_sizes=[2, 4, 8], backend="emulated")
     generator = torch.Generator().manual_seed(10)
-    for batch in (3, 3, 5, 5, 2):
+    for batch in (3, 3, 5):
         x = torch.randn(batch, 6, 16, generator=generator)
         out = fast(x)
-        assert_same(out, encoder(x).detach())
-    assert fast.stats()["graph_runs"] == 2 and not out.requires_grad, "graphs are for inference"
+        assert out.requires_grad and torch.equal(out, encoder(x))
+    assert fast.stats()["graph_runs"] == 0 and fast.stats()["eager_reasons"] == {"warmup": 1, "autograd": 2}
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 6, 16, generator=generator)
+            assert_same(fast(x), encoder(x))
+    assert fast.stats()["graph_runs"] == 3
 
 
 # ---------------------------------------------------------------- Hugging Face model objects
@@ -324,7 +331,7 @@ def test_hf_model_with_use_cache_is_refused_naming_the_cache_output():
             assert_same(fast(ids, use_cache=True).logits, model(ids, use_cache=True).logits)
     stats = fast.stats()
     assert stats["eager_reasons"] == {"warmup": 1, "capture_failed": 2}
-    reason = stats["failed_keys"]["decode/bs=4"]
+    reason = stats["failed_keys"]["call/bs=4"]
     assert "output.past_key_values is a transformers.cache_utils.DynamicCache, not a tensor pytree" in reason
 
 
@@ -348,7 +355,7 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
                 tokens.append(token)
         caches.append(cache.get_seq_length())
         if wrapped:
-            reason = fast.stats()["failed_keys"]["decode/bs=2"]
+            reason = fast.stats()["failed_keys"]["call/bs=2"]
             assert reason.startswith("RebindError: args[1].layers[0].keys: the step rebinds it")
     assert caches == [9, 9], "the refused recording's appends to the cache were undone"
     assert all(torch.equal(a, b) for a, b in zip(tokens[:4], tokens[4:]))
@@ -392,7 +399,7 @@ def test_an_object_argument_rebinding_a_python_counter_is_refused_once_per_call(
     for _ in range(3):
         fast(torch.ones(2, 3), state)
     assert state.calls == 3 and int(state.total) == 3
-    assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("RebindError: args[1].calls")
+    assert fast.stats()["failed_keys"]["call/bs=2"].startswith("RebindError: args[1].calls")
 
 
 # ---------------------------------------------------------------- GraphRunner: tokens vs requests

@@ -26,6 +26,9 @@ def resolve_device(backend_name: str, device: Optional[Union[str, torch.device]]
     if device is None:
         device = "cuda" if backend_name == "cuda" else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} asked for, but this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False); leave device unset to use the CPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

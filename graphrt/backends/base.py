@@ -5,6 +5,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+import torch
+
 
 class CapturedGraph(Protocol):
     """A captured forward: ``replay()`` re-runs it reading the static inputs and
@@ -56,8 +58,10 @@ class GraphBackend(Protocol):
     def warmup_context(self) -> AbstractContextManager:
         """Where warm-up runs execute (CUDA: the capture stream, so lazy state binds to it)."""
 
-    def capture(self, fn: Callable[[], Any]) -> CapturedGraph:
-        """Capture one call of ``fn`` (already warmed up)."""
+    def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CapturedGraph:
+        """Capture one call of ``fn`` (already warmed up). ``generators``: the generators other than
+        the default ones the step draws from (CUDA registers them with the graph, so each replay
+        advances them as eager does)."""
 
-    def piece_sink(self) -> PieceSink:
-        """A fresh sink for one capture split into pieces (piecewise graphs)."""
+    def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> PieceSink:
+        """A fresh sink for one capture split into pieces (piecewise graphs); ``generators`` as for ``capture``."""

@@ -64,10 +64,10 @@ class CudaGraphBackend:
     def warmup_context(self) -> AbstractContextManager:
         return self._on_capture_stream()
 
-    def capture(self, fn: Callable[[], Any]) -> CudaGraph:
+    def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CudaGraph:
         torch.cuda.synchronize(self.device)
         reserved_before = self._reserved()
-        graph = torch.cuda.CUDAGraph()
+        graph = self.new_graph(generators)
         with self._on_capture_stream():
             graph.capture_begin(pool=self.pool)
             try:
@@ -79,8 +79,24 @@ class CudaGraphBackend:
         torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._reserved() - reserved_before)
 
-    def piece_sink(self) -> "CudaPieces":
-        return CudaPieces(self)
+    def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "CudaPieces":
+        return CudaPieces(self, generators)
+
+    def new_graph(self, generators: Sequence[torch.Generator] = ()) -> "torch.cuda.CUDAGraph":
+        """A CUDAGraph with the step's own CUDA generators registered (the default generator is the
+        graph's already): each replay then advances them by what the captured step draws, as eager
+        would. A torch without ``register_generator_state`` cannot: the key fails, naming the generator."""
+        graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            if generator.device.type != "cuda":
+                continue
+            register = getattr(graph, "register_generator_state", None)
+            if register is None:
+                raise RuntimeError(f"the step draws from its own CUDA generator {generator!r} (seed "
+                                   f"{generator.initial_seed()}); this torch cannot register it with a CUDA graph "
+                                   "(CUDAGraph.register_generator_state): use the default generator")
+            register(generator)
+        return graph
 
     def abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
         """End a capture whose callable raised, so the stream leaves capture mode."""
@@ -105,13 +121,14 @@ class CudaPieces:
     """One CUDAGraph per piece, in the backend's shared pool, captured on its capture stream; the
     op between two pieces runs between one ``capture_end`` and the next ``capture_begin``."""
 
-    def __init__(self, backend: CudaGraphBackend) -> None:
+    def __init__(self, backend: CudaGraphBackend, generators: Sequence[torch.Generator] = ()) -> None:
         self.backend = backend
+        self.generators = generators
         self.graphs: List["torch.cuda.CUDAGraph"] = []
         self.pool_bytes: Optional[int] = None
 
     def _begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
+        graph = self.backend.new_graph(self.generators)
         graph.capture_begin(pool=self.backend.pool)
         self.graphs.append(graph)
 

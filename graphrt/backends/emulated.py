@@ -62,12 +62,14 @@ class EmulatedBackend:
     def warmup_context(self) -> AbstractContextManager:
         return nullcontext()
 
-    def capture(self, fn: Callable[[], Any]) -> EmulatedGraph:
+    def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> EmulatedGraph:
+        """Record one call of ``fn``; a generator the step is handed is a constant of the recording,
+        drawn from at every replay as eager draws from it."""
         with OpRecorder() as recorder:
             outputs = fn()
         return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs, recorder.context)
 
-    def piece_sink(self) -> "EmulatedPieces":
+    def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "EmulatedPieces":
         return EmulatedPieces()
 
 

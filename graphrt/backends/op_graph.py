@@ -15,6 +15,7 @@ host to read device memory (``.item()``, ``nonzero``, boolean-mask indexing, ...
 from __future__ import annotations
 
 import contextvars
+import keyword
 import operator
 import threading
 from contextlib import ExitStack, contextmanager
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from graphrt.backends.source_lines import SourceLine, model_source_line, torch_source_line
-from graphrt.backends.state_journal import storage_key
+from graphrt.backends.state_journal import op_base_name, storage_key
 
 # Tensor methods that read values on the host without an aten op on CPU (``np.asarray`` calls numpy).
 _HOST_READ_METHODS = ("tolist", "numpy")
@@ -217,7 +218,7 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
         return graph.get_attr(name)
 
     for op in ops:
-        node = graph.call_function(op.func, tree_map(to_node_arg, op.args), tree_map(to_node_arg, op.kwargs))
+        node = graph.call_function(_fx_target(op.func), tree_map(to_node_arg, op.args), tree_map(to_node_arg, op.kwargs))
         if any(_is_work(leaf) for leaf in tree_flatten(op.output)[0]):
             graph.call_function(wait_collectives, (node,))
         if isinstance(op.output, torch.Tensor):
@@ -238,6 +239,24 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
         returned.append(nodes[id(leaf)])
     graph.output(returned)
     return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), copy_targets)
+
+
+_KEYWORD_OVERLOADS: Dict[Any, Callable[..., Any]] = {}
+
+
+def _fx_target(func: Any) -> Callable[..., Any]:
+    """What FX calls for ``func``: the op itself, unless its overload name is a Python keyword
+    (``aten.random_.from``), which FX would write as invalid code; then a function calling it."""
+    if not keyword.iskeyword(getattr(func, "_overloadname", "")):
+        return func
+    target = _KEYWORD_OVERLOADS.get(func)
+    if target is None:
+        def target(*args: Any, **kwargs: Any) -> Any:
+            return func(*args, **kwargs)
+
+        target.__name__ = f"{op_base_name(func)}_{func._overloadname}_overload"
+        _KEYWORD_OVERLOADS[func] = target
+    return target
 
 
 def _is_work(value: Any) -> bool:

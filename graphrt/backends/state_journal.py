@@ -1,4 +1,5 @@
-"""StateJournal: undo every in-place write a block makes to tensors that existed before it.
+"""StateJournal: undo every in-place write a block makes to tensors that existed before it,
+and every draw it makes from a random generator.
 
 Capture must not change the model's state: warm-up runs (and, on the emulated backend, the
 recording run) execute the step, and a step writes KV caches, counters and running stats in
@@ -8,6 +9,10 @@ an ``index_put_``/``index_copy_``/``scatter_`` touches, the view a ``copy_`` fil
 extra memory is proportional to what the block writes, not to the tensors written into.
 ``restore()`` puts the saved regions back, newest first, leaving every tensor bitwise as
 before. Writes into memory the block allocated itself need no undo and are not saved.
+
+A generator's state is state a step advances too: the default generators (CPU, each initialized
+CUDA device) are saved when the block starts and every generator an op is handed the first time
+it is seen, and ``restore()`` sets them back, so a block leaves every generator as it was.
 """
 
 from __future__ import annotations
@@ -124,21 +129,82 @@ _REGION_SAVERS: Dict[str, Callable[[torch.Tensor, Sequence[Any]], Locator]] = {
 }
 
 
+def default_generators() -> List[torch.Generator]:
+    """The generators random ops use when given none: CPU's, and each initialized CUDA device's."""
+    generators = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        generators.extend(torch.cuda.default_generators)
+    return generators
+
+
+_GENERATOR_ARGUMENTS: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+
+
+def passed_generators(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Iterator[torch.Generator]:
+    """The generators an op is handed explicitly (its ``Generator?`` arguments that are not None)."""
+    slots = _GENERATOR_ARGUMENTS.get(func)
+    if slots is None:
+        slots = _GENERATOR_ARGUMENTS[func] = tuple(
+            (position, argument.name) for position, argument in enumerate(func._schema.arguments)
+            if "Generator" in str(argument.type))
+    for position, name in slots:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Generator):
+            yield value
+
+
+class GeneratorStates:
+    """Saved states of generators, to set them back: a block's random draws undone."""
+
+    def __init__(self) -> None:
+        self._saved: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}
+
+    def save(self, generator: torch.Generator) -> None:
+        """Remember ``generator``'s state unless it is already saved (the first state wins)."""
+        if id(generator) not in self._saved:
+            self._saved[id(generator)] = (generator, generator.get_state())
+
+    def put_back(self) -> None:
+        for generator, state in self._saved.values():
+            generator.set_state(state)
+
+    def explicit(self) -> List[torch.Generator]:
+        """The saved generators that are not a default one (a step's own generators)."""
+        defaults = {id(generator) for generator in default_generators()}
+        return [generator for key, (generator, _) in self._saved.items() if key not in defaults]
+
+
 class StateJournal(TorchDispatchMode):
     """Use as ``with journal: ...`` then ``journal.restore()``; ``saved_bytes`` is its extra memory.
-    ``regions`` lists what was written, oldest first (capture's verify step reads them)."""
+    ``regions`` lists what was written, oldest first (capture's verify step reads them);
+    ``written`` the storages written, kept after ``restore()``; ``generators`` the saved generator
+    states; ``reads_grad`` whether an op read a tensor that requires grad (in grad mode, eager
+    outputs could then carry autograd history)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.saved_bytes = 0
         self.regions: List[WrittenRegion] = []
+        self.written: Set[Tuple[torch.device, int]] = set()
+        self.generators = GeneratorStates()
+        self.reads_grad = False
         self._fresh: Set[Tuple[torch.device, int]] = set()  # storages allocated inside the block
+
+    def __enter__(self) -> "StateJournal":
+        for generator in default_generators():
+            self.generators.save(generator)
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
         for position, target in written_tensors(func, args, kwargs):
             if storage_key(target) not in self._fresh:
                 self._save(func, position, target, args)
+        for generator in passed_generators(func, args, kwargs):
+            self.generators.save(generator)
+        if not self.reads_grad:
+            self.reads_grad = any(isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                                  for leaf in tree_leaves((args, kwargs)))
         output = func(*args, **kwargs)
         self._fresh.update(allocated_storages(func, args, kwargs, output))
         return output
@@ -148,18 +214,22 @@ class StateJournal(TorchDispatchMode):
         read, write, where = (saver or _whole_region)(target, args)
         saved = read(*where)
         self.saved_bytes += saved.numel() * saved.element_size()
+        self.written.add(storage_key(target))
         self.regions.append(WrittenRegion(str(func), model_source_line(), read, write, where, saved))
 
     def put_back(self) -> None:
-        """Put back every saved region, newest first; they stay saved (it can be done again)."""
+        """Put back every saved region, newest first, and every generator's state; they stay
+        saved (it can be done again: verification runs eager and the replay from one state)."""
         with torch.no_grad():
             for region in reversed(self.regions):
                 region.put_back()
+        self.generators.put_back()
 
     def restore(self) -> None:
-        """Put back every saved region, newest first, and forget them."""
+        """Put back every saved region, newest first, and every generator's state, and forget them."""
         self.put_back()
         if self.saved_bytes:
             logger.debug("capture undid %d bytes of in-place writes", self.saved_bytes)
         self.regions.clear()
         self._fresh.clear()
+        self.generators = GeneratorStates()

@@ -33,6 +33,9 @@ def load_factory(spec: str) -> Any:
 
 def run_factory(made: Any) -> CheckReport:
     """Check what a factory returned (see the module docstring for the accepted shapes)."""
+    if made is None:
+        raise ValueError("factory: the factory returned None; expected a GraphRunner, a wrapped callable, "
+                         "or (callable, args[, kwargs])")
     if not isinstance(made, tuple):
         return check(made)
     if len(made) == 2:

@@ -152,18 +152,19 @@ def device_findings(recording: Recording, name: Namer, device: torch.device) -> 
 
 
 def random_findings(recording: Recording) -> List[Finding]:
-    """Random ops: an explicit generator fails CUDA capture; the default one advances per replay."""
+    """Random ops, as information: each replay draws what eager would draw at that point of the
+    generator's sequence (an explicit generator is registered with the CUDA graph)."""
     findings = []
     for op in recording.ops:
         if not draws_random(op):
             continue
         if argument(op, "generator") is not None:
-            message = (f"{op_name(op)} draws from an explicit generator; a CUDA capture raises unless the generator "
-                       "is registered with the graph (graph.register_generator_state), which graphrt does not do")
+            message = (f"{op_name(op)} draws from the step's own generator; graphrt registers it with the graph, so "
+                       "each replay advances it as the eager call would")
             findings.append(Finding("random_generator", message, op_name(op), None, _where(op)))
         else:
-            message = (f"{op_name(op)} draws from the default generator; each replay draws new numbers "
-                       "(CUDA graphs advance the generator's offset), not the ones an eager run would draw")
+            message = (f"{op_name(op)} draws from the default generator; each replay draws what the eager call "
+                       "would draw at that point of the generator's sequence")
             findings.append(Finding("random_op", message, op_name(op), None, _where(op)))
     return findings
 

@@ -80,13 +80,14 @@ HAZARDS: Dict[str, Hazard] = {
         "graph one device per step; move the tensors to the step's device",
     ),
     "random_generator": Hazard(
-        Severity.ERROR, "a random op draws from an explicit generator", EagerReason.CAPTURE_FAILED.value,
-        "", "use the default generator (graphs advance it on every replay), or draw outside the step",
+        Severity.INFO, "a random op draws from the step's own generator", REPLAYS, "",
+        "nothing to do: graphrt registers the generator with the graph, and each replay advances it as eager "
+        "would (on CUDA this needs torch's CUDAGraph.register_generator_state; without it the key runs eagerly)",
     ),
     "random_op": Hazard(
         Severity.INFO, "a random op in the step", REPLAYS, "",
-        "nothing to do if fresh random numbers per replay are what you want; they are not the numbers "
-        "an eager run would draw",
+        "nothing to do: each replay draws what the eager call would draw at that point of the generator's "
+        "sequence, and capture leaves the generator as it was",
     ),
     "output_aliases_input": Hazard(
         Severity.WARNING, "an output is a view of an input", SILENT, "",

@@ -19,7 +19,7 @@ evidence yields a refined signature (``refine``), and wrap() captures again with
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -201,9 +201,9 @@ class CallSignature:
             self._expected[batch_size] = result
         return result
 
-    def stage(self, leaves: List[Any], rows: int, cut: bool = False) -> None:
-        """Copy the call's tensors into the static slots, batched ones padded above ``rows``
-        (``cut``: batched tensors longer than ``rows`` are cut to it, for capture examples)."""
+    def live(self, leaves: List[Any], rows: int, cut: bool = False) -> List[torch.Tensor]:
+        """The call's tensors as the slots store them: batched ones batch-first (views of the
+        caller's tensors; ``cut``: longer than ``rows`` cut to it, for capture examples)."""
         live = []
         for index, axis in self._axes:
             value = leaves[index]
@@ -213,6 +213,12 @@ class CallSignature:
                 if axis:
                     value = value.movedim(axis, 0)
             live.append(value)
+        return live
+
+    def stage(self, leaves: List[Any], rows: int, cut: bool = False) -> None:
+        """Copy the call's tensors into the static slots, batched ones padded above ``rows``
+        (``cut``: batched tensors longer than ``rows`` are cut to it, for capture examples)."""
+        live = self.live(leaves, rows, cut)
         if self._plan is None:
             self._allocate()
         if torch.is_grad_enabled():
@@ -220,6 +226,18 @@ class CallSignature:
                 self._plan.stage(live, rows, rows)
         else:
             self._plan.stage(live, rows, rows)
+
+    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
+        """Positions (in staging order) of the argument slots a captured step wrote."""
+        return () if self._plan is None else self._plan.written(storages)
+
+    def write_back(self, leaves: List[Any], rows: int, padded: int, positions: Tuple[int, ...]) -> None:
+        """After a replay that wrote argument slots: their live rows back into the caller's tensors."""
+        self._plan.write_back(self.live(leaves, rows), positions, rows, rows, padded, padded)
+
+    def written_paths(self, positions: Tuple[int, ...]) -> List[str]:
+        """The argument paths of slot positions (for messages)."""
+        return [self.paths[self._axes[position][0]] for position in positions]
 
     def static_arguments(self, rows: int) -> StaticCall:
         """The arguments a graph of ``rows`` rows reads: views of the static slots."""

@@ -10,7 +10,7 @@ between them make the ``PiecewiseGraph``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,8 +61,9 @@ class PieceRecorder:
         self.splitting = splitting
         self.request_fields = request_fields  # storage of each request-shaped static slot -> its field name
 
-    def __call__(self, backend: GraphBackend, fn: Callable[[], Any]) -> PiecewiseGraph:
-        sink = backend.piece_sink()
+    def __call__(self, backend: GraphBackend, fn: Callable[[], Any],
+                 generators: Sequence[torch.Generator] = ()) -> PiecewiseGraph:
+        sink = backend.piece_sink(generators)
         watcher = SplitWatcher(self.splitting, self.request_fields, sink)
         with sink.recording():
             with watcher:

@@ -32,7 +32,9 @@ class PiecewiseCaptureError(RuntimeError):
 @dataclass
 class SplitCall:
     """One call of a splitting op at capture: replay calls it again on the same (static) arguments
-    and copies its fresh result into ``outputs``, the tensors the next piece reads."""
+    and copies its fresh result into ``outputs``, the tensors the next piece reads. An argument
+    the op writes (an ``out`` tensor, as vLLM's attention takes) is static memory too: the next
+    piece reads what the op wrote there."""
 
     func: Any
     args: Tuple[Any, ...]
@@ -42,7 +44,8 @@ class SplitCall:
     def run(self) -> None:
         """Call the op eagerly and put its result where the next piece reads it."""
         fresh = self.func(*self.args, **self.kwargs)
-        fresh = [fresh] if isinstance(fresh, torch.Tensor) else list(tree_leaves(fresh))
+        fresh = [fresh] if isinstance(fresh, torch.Tensor) else [leaf for leaf in tree_leaves(fresh)
+                                                                  if isinstance(leaf, torch.Tensor)]
         if len(fresh) != len(self.outputs) or any(new.shape != old.shape for new, old in zip(fresh, self.outputs)):
             raise ValueError(
                 f"splitting op {self.func._schema.name}: returned shapes {[list(t.shape) for t in fresh]}, expected "
@@ -50,7 +53,7 @@ class SplitCall:
                 "inputs (padding rows harmless), whatever the live batch")
         if len(fresh) == 1:
             self.outputs[0].copy_(fresh[0])
-        else:
+        elif fresh:
             torch._foreach_copy_(self.outputs, fresh)
 
 
@@ -115,19 +118,13 @@ class SplitWatcher(TorchDispatchMode):
 
 
 def _refuse_unplaceable(func: Any) -> None:
-    """A splitting op must return fresh tensors and write no argument: graphrt copies its
-    result into static memory, and cannot re-point a piece at a view or an in-place result."""
-    schema = func._schema
-    if schema.is_mutable:
-        written = [arg.name for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
-        raise PiecewiseCaptureError(
-            f"splitting op {schema.name} writes its argument(s) {written} in place: graphrt can place only "
-            "returned tensors; return the output instead of writing it"
-        )
-    for result in schema.returns:
+    """A splitting op must return fresh tensors (or nothing): graphrt copies a result into static
+    memory, and cannot re-point a piece at a view of an input. Arguments it writes in place need
+    nothing: they are static tensors already, read by the next piece."""
+    for result in func._schema.returns:
         if result.alias_info is not None or str(result.type) not in ("Tensor", "Tensor[]"):
             raise PiecewiseCaptureError(
-                f"splitting op {schema.name} returns {result.type}{' (a view of an input)' if result.alias_info else ''}"
-                ": graphrt can place only fresh tensors (Tensor or Tensor[]) between pieces"
+                f"splitting op {func._schema.name} returns {result.type}"
+                f"{' (a view of an input)' if result.alias_info else ''}: graphrt can place only fresh tensors "
+                "(Tensor or Tensor[]) or arguments it writes in place between pieces"
             )
-
