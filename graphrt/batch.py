@@ -245,20 +245,6 @@ def _read(values: List[torch.Tensor]) -> List[int]:
     return torch.stack([value.to(torch.int64) for value in values]).tolist()
 
 
-def table_sizes(context: Any) -> Tuple[Tuple[str, int], ...]:
-    """The table sizes batch indices must stay below, where the batch context tells them: the KV
-    pool's slots (``out_cache_loc``) and the request pool's rows (``req_pool_indices``). A pool
-    gives its size as ``num_slots`` / ``num_requests`` (graphrt.reference) or ``size`` (SGLang's)."""
-    sizes = []
-    for field_name, pool_name, attribute in (("out_cache_loc", "token_to_kv_pool", "num_slots"),
-                                             ("req_pool_indices", "req_to_token_pool", "num_requests")):
-        pool = context.get(pool_name)
-        size = getattr(pool, attribute, getattr(pool, "size", None)) if pool is not None else None
-        if type(size) is int:
-            sizes.append((field_name, size))
-    return tuple(sizes)
-
-
 def check_tensor(spec: FieldSpec, tensor: Any, rows: int, device: Optional[torch.device]) -> None:
     """Metadata-only check of one staged field: type, dtype, 1-D length, device."""
     if not isinstance(tensor, torch.Tensor):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -85,13 +85,21 @@ class CaptureReport:
         return "\n".join(lines)
 
 
-class KeyCapture:
-    """Captures the keys of a registry through one backend (``warmup_iters`` warm-up calls each)."""
+# Bytes a capture may copy to undo writes it cannot narrow to rows (opaque ops writing a whole tensor).
+WHOLE_SAVE_BUDGET = 16 << 20
 
-    def __init__(self, backend: GraphBackend, warmup_iters: int = 2, verify: bool = True) -> None:
+
+class KeyCapture:
+    """Captures the keys of a registry through one backend (``warmup_iters`` warm-up calls each).
+    ``scratch``: the storages a capture writes only at rows no request owns (it stages pad values
+    first), never copied to undo those writes."""
+
+    def __init__(self, backend: GraphBackend, warmup_iters: int = 2, verify: bool = True,
+                 scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset) -> None:
         self.backend = backend
         self.warmup_iters = warmup_iters
         self.verify = verify
+        self.scratch = scratch
 
     def capture_all(self, registry: GraphRegistry, before_capture: Optional[Callable[[GraphEntry], None]] = None,
                     progress: bool = True) -> CaptureReport:
@@ -125,7 +133,7 @@ class KeyCapture:
         record: Optional[Record] = None
         if entry.record is not None:
             record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
-        journal = StateJournal()
+        journal = StateJournal(self.scratch(), WHOLE_SAVE_BUDGET)
         try:
             graph = capture_graph(self.backend, step, warmup_iters, record, journal)
         except Exception as error:  # a failed capture disables only this key

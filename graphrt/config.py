@@ -55,6 +55,10 @@ class RunnerConfig:
     the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.
     ``verify``: compare each key's first replay with eager on the same inputs at capture (one
     extra eager step and replay per key); a difference keeps the key eager (``verify_failed``).
+    ``scratch_state``: tensors the model writes only at rows the staged indices address (a KV cache
+    written at ``out_cache_loc``): capture stages pad values first, so their writes land in rows no
+    request owns and are not copied to be undone. Tensors held by ``batch_context``'s
+    ``token_to_kv_pool`` count as scratch state too.
     """
 
     max_batch_size: int = 64
@@ -77,6 +81,7 @@ class RunnerConfig:
     ubatch: Optional[UBatchConfig] = None
     splitting_ops: Sequence[SplittingOpSpec] = ()
     piecewise_sizes: Optional[Sequence[int]] = None
+    scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         unset = [name for name in DERIVED_FROM_MAX_BATCH_SIZE if getattr(self, name) is None]
@@ -95,6 +100,9 @@ class RunnerConfig:
         self._set("batch_context", MappingProxyType(dict(self.batch_context)))
         if self.histogram is not None:
             self._set("histogram", histogram_from(self.histogram))
+        self._set("scratch_state", tuple(self.scratch_state))
+        if not all(isinstance(tensor, torch.Tensor) for tensor in self.scratch_state):
+            raise TypeError("scratch_state: expected a sequence of tensors")
         self._set("splitting_ops", resolve_splitting_ops(self.splitting_ops))
         self._set("piecewise_sizes", self._checked_piecewise_sizes())
         if self.ubatch is not None:

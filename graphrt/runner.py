@@ -13,14 +13,16 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
-from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled, table_sizes
+from graphrt.backends.state_journal import storage_key
+from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled
+from graphrt.batch_context import scratch_tensors, table_sizes
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
@@ -76,7 +78,7 @@ class GraphRunner:
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
         self.backend = make_backend(self.backend_name, self.device)
         self.registry = GraphRegistry(config.copy_outputs, self.debug)
-        self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify)
+        self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages)
         self._stagers = {False: DecodeStager(self.buffers, self.context)}
         if "extend_start_loc" in self.buffers.slots:
             self._stagers[True] = ExtendStager(self.buffers, self.context)
@@ -141,6 +143,11 @@ class GraphRunner:
             for spec in EXTEND_FIELDS:
                 buffers.register_field(spec)
         return buffers
+
+    def _scratch_storages(self) -> Set[Tuple[torch.device, int]]:
+        """Memory a capture writes only at rows no request owns (the static slots hold pad values):
+        ``scratch_state`` and the tensors of the KV pool in ``batch_context``."""
+        return {storage_key(tensor) for tensor in [*self.config.scratch_state, *scratch_tensors(self.context)]}
 
     def _make_entry(self, key: GraphKey) -> GraphEntry[ForwardBatch]:
         """A key's entry: the padded batch of static-slot views its graph reads, and the step on it."""

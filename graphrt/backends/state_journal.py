@@ -10,6 +10,13 @@ extra memory is proportional to what the block writes, not to the tensors writte
 ``restore()`` puts the saved regions back, newest first, leaving every tensor bitwise as
 before. Writes into memory the block allocated itself need no undo and are not saved.
 
+A write the journal cannot narrow to rows (an opaque custom op with ``mutates_args``, a whole-
+tensor ``copy_``) saves the whole written view, once per view, within ``budget`` bytes; past it
+the block fails with ``CaptureMemoryError`` naming the op, instead of holding copies of a KV
+cache. Tensors in ``scratch`` are not saved whole: the caller guarantees that the block writes
+them only at rows no request owns (capture stages pad values first), as the peers capture
+without undoing anything.
+
 A generator's state is state a step advances too: the default generators (CPU, each initialized
 CUDA device) are saved when the block starts and every generator an op is handed the first time
 it is seen, and ``restore()`` sets them back, so a block leaves every generator as it was.
@@ -174,6 +181,18 @@ class GeneratorStates:
         return [generator for key, (generator, _) in self._saved.items() if key not in defaults]
 
 
+class CaptureMemoryError(RuntimeError):
+    """Undoing a block's writes would copy more memory than the journal's budget."""
+
+
+View = Tuple[Tuple[torch.device, int], int, Tuple[int, ...], Tuple[int, ...]]
+
+
+def view_key(tensor: torch.Tensor) -> View:
+    """Identity of a view: its storage, offset, shape and strides."""
+    return storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+
+
 class StateJournal(TorchDispatchMode):
     """Use as ``with journal: ...`` then ``journal.restore()``; ``saved_bytes`` is its extra memory.
     ``regions`` lists what was written, oldest first (capture's verify step reads them);
@@ -181,8 +200,12 @@ class StateJournal(TorchDispatchMode):
     states; ``reads_grad`` whether an op read a tensor that requires grad (in grad mode, eager
     outputs could then carry autograd history)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch: Set[Tuple[torch.device, int]] = frozenset(), budget: Optional[int] = None) -> None:
         super().__init__()
+        self.scratch = scratch  # storages written only at rows no request owns: never saved whole
+        self.budget = budget  # bytes of whole-view saves allowed (None: no limit)
+        self._whole_views: Set[View] = set()  # views saved whole: later writes to them need no save
+        self._whole_bytes = 0
         self.saved_bytes = 0
         self.regions: List[WrittenRegion] = []
         self.written: Set[Tuple[torch.device, int]] = set()
@@ -210,12 +233,35 @@ class StateJournal(TorchDispatchMode):
         return output
 
     def _save(self, func: Any, position: int, target: torch.Tensor, args: Sequence[Any]) -> None:
+        self.written.add(storage_key(target))
         saver = _REGION_SAVERS.get(op_base_name(func)) if position == 0 else None
+        if saver is None and not self._may_save_whole(func, target):
+            return
         read, write, where = (saver or _whole_region)(target, args)
         saved = read(*where)
         self.saved_bytes += saved.numel() * saved.element_size()
-        self.written.add(storage_key(target))
         self.regions.append(WrittenRegion(str(func), model_source_line(), read, write, where, saved))
+
+    def _may_save_whole(self, func: Any, target: torch.Tensor) -> bool:
+        """Whether a write the journal cannot narrow needs a whole save of ``target``: not for
+        scratch storage, nor for a view already saved whole (its oldest save restores it);
+        past the budget, raise naming the op."""
+        key = view_key(target)
+        if key[0] in self.scratch or key in self._whole_views:
+            return False
+        size = target.numel() * target.element_size()
+        if self.budget is not None and self._whole_bytes + size > self.budget:
+            where = model_source_line()
+            raise CaptureMemoryError(
+                f"{func}{f' at {where}' if where else ''} writes a {list(target.shape)} "
+                f"{str(target.dtype).removeprefix('torch.')} tensor ({size / 2**20:.1f} MiB) in a way capture cannot "
+                f"narrow to rows, and undoing it would copy more than {self.budget / 2**20:.0f} MiB; if its writes "
+                "land only in rows no request owns (a KV cache written at out_cache_loc), pass it as scratch state "
+                "(GraphRunner(..., scratch_state=[tensor]), or keep it in batch_context's token_to_kv_pool), or write "
+                "it with index_copy_/index_put_")
+        self._whole_views.add(key)
+        self._whole_bytes += size
+        return True
 
     def put_back(self) -> None:
         """Put back every saved region, newest first, and every generator's state; they stay
@@ -232,4 +278,6 @@ class StateJournal(TorchDispatchMode):
             logger.debug("capture undid %d bytes of in-place writes", self.saved_bytes)
         self.regions.clear()
         self._fresh.clear()
+        self._whole_views.clear()
+        self._whole_bytes = 0
         self.generators = GeneratorStates()

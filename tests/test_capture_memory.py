@@ -1,0 +1,137 @@
+"""Capture holds no copy of the KV cache, and captures only on pad values (issue: the CUDA path hardened).
+
+A model that writes its KV cache through an opaque custom op (``mutates_args=("cache",)``, as
+vLLM's ``reshape_and_cache_flash`` or FlashInfer's append) gives the state journal nothing to
+narrow: undoing the write would copy the whole cache, per warm-up, per recording, per check.
+Capture stages pad values first, so such writes land in the scratch slot only; the cache is
+scratch state (held by ``batch_context``'s KV pool, or named in ``scratch_state``) and is never
+copied. Anything else written that way is copied once per view within a budget, past which the
+key fails by name instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BACKENDS, SCRATCH_SLOT, decode_batch
+from test_graph_contract import _reset_peak_rss, _rss_kib
+
+from graphrt import GraphRunner
+
+SEEN_LOCATIONS = []  # the out_cache_loc tensors the op was called with (copies)
+
+
+@torch.library.custom_op("graphrt_test::opaque_kv_write", mutates_args=("cache",))
+def opaque_kv_write(cache: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes ``values`` at rows ``loc``: the journal cannot see which rows (an opaque kernel)."""
+    SEEN_LOCATIONS.append(loc.clone())  # a device copy: a host read would fail a capture
+    cache.index_copy_(0, loc, values)
+
+
+class KvPool:
+    """A KV pool as an engine holds it: one cache tensor, sized in slots."""
+
+    def __init__(self, num_slots: int, hidden: int, device: str) -> None:
+        self.num_slots = num_slots
+        self.kv = torch.zeros(num_slots, hidden, device=device)
+
+
+class OpaqueKvModel(torch.nn.Module):
+    """Embeds tokens, writes them into the pool's cache through the opaque op, reads the request's row."""
+
+    def __init__(self, pool: KvPool, device: str, hidden: int = 32) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(97, hidden, generator=generator).to(device))
+        self.pool = pool
+
+    def forward(self, input_ids, positions, forward_batch):
+        hidden = self.embed[input_ids]
+        opaque_kv_write(self.pool.kv, forward_batch.out_cache_loc, hidden)
+        return hidden + self.pool.kv[forward_batch.req_pool_indices]
+
+
+def opaque_runner(pool: KvPool, device: str, backend: str, **options) -> GraphRunner:
+    options.setdefault("batch_context", {"token_to_kv_pool": pool})
+    return GraphRunner(OpaqueKvModel(pool, device), max_batch_size=16, capture_sizes=[1, 2, 4, 8, 16],
+                       backend=backend, device=device, progress=False, **options)
+
+
+def test_capture_with_an_opaque_kv_write_copies_no_cache_and_touches_no_request_row():
+    pool = KvPool(num_slots=1 << 21, hidden=32, device="cpu")  # 2**21 x 32 floats = 256 MiB
+    runner = opaque_runner(pool, "cpu", "emulated")
+    opaque_runner(KvPool(64, 32, "cpu"), "cpu", "emulated").capture()  # one-time costs outside the measurement
+    if not _reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable: cannot measure peak memory here")
+    resident = _rss_kib("VmRSS")
+    report = runner.capture()
+    growth_mib = (_rss_kib("VmHWM") - resident) / 1024
+    assert not report.failed, report.failed
+    assert growth_mib < 16, f"capture's peak memory grew by {growth_mib:.0f} MiB for a 256 MiB cache"
+
+    pool.kv.normal_(generator=torch.Generator().manual_seed(1))  # requests' rows hold data
+    for batch_size in (5, 3):
+        runner(decode_batch(batch_size, seed=batch_size))  # real steps dirty the static slots
+    before = pool.kv.clone()
+    SEEN_LOCATIONS.clear()
+    runner._stats.merge_histogram({runner.config.modes[0]: {3: 10, 5: 4}})
+    assert not runner.retune(max_graphs=2).failed
+    assert SEEN_LOCATIONS and all(rows.eq(SCRATCH_SLOT).all() for rows in SEEN_LOCATIONS), (
+        "capture staged pad values: every write lands in the scratch slot")
+    changed = (pool.kv != before).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= {SCRATCH_SLOT}, f"rows {changed} of requests changed during retune()"
+
+
+def test_scratch_state_names_a_cache_the_batch_context_does_not_hold():
+    pool = KvPool(num_slots=1 << 18, hidden=32, device="cpu")  # 32 MiB: over the copy budget
+    runner = opaque_runner(pool, "cpu", "emulated", batch_context={}, scratch_state=[pool.kv])
+    assert not runner.capture().failed
+    batch = decode_batch(3, seed=3)
+    expected = OpaqueKvModel(KvPool(1 << 18, 32, "cpu"), "cpu")(batch.input_ids, batch.positions, batch)
+    assert torch.equal(runner(batch), expected)
+
+
+def test_an_unnarrowable_write_past_the_budget_fails_its_key_by_name():
+    pool = KvPool(num_slots=1 << 18, hidden=32, device="cpu")  # 32 MiB, held by no batch context
+    runner = opaque_runner(pool, "cpu", "emulated", batch_context={})
+    failed = runner.capture().failed
+    assert len(failed) == 5, failed
+    assert all(reason.startswith("CaptureMemoryError: graphrt_test.opaque_kv_write.default") and "scratch_state"
+               in reason for reason in failed.values()), failed
+    batch = decode_batch(3, seed=3)
+    runner(batch)
+    assert runner.stats()["eager_reasons"] == {"capture_failed": 1}
+
+
+class SpyBackend:
+    """An attention backend that records the static batch each capture starts from."""
+
+    graph_modes = ()
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def init_forward_metadata_capture(self, forward_batch) -> None:
+        self.seen.append((forward_batch.out_cache_loc.tolist(), forward_batch.req_pool_indices.tolist(),
+                          forward_batch.seq_lens.tolist(), forward_batch.seq_lens_sum))
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_every_capture_starts_from_pad_values_after_real_steps(backend_device):
+    """retune() and a later capture() after real steps: the capture hook sees only pad values
+    (scratch slot 0, dummy request 0, length 1), not the last step's rows."""
+    backend, device = backend_device
+    spy = SpyBackend()
+    pool = KvPool(256, 32, device)
+    runner = opaque_runner(pool, device, backend, batch_context={"token_to_kv_pool": pool, "attn_backend": spy})
+    runner.capture()
+    for batch_size in (16, 5):
+        runner(decode_batch(batch_size, device=device, seed=batch_size))
+    spy.seen.clear()
+    runner._stats.merge_histogram({runner.config.modes[0]: {5: 10, 16: 4}})
+    runner.retune(max_graphs=2)
+    assert len(spy.seen) == 2
+    for locations, requests, seq_lens, seq_lens_sum in spy.seen:
+        size = len(locations)
+        assert locations == [0] * size and requests == [0] * size and seq_lens == [1] * size
+        assert seq_lens_sum == size
