@@ -29,6 +29,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
     tqdm = None
 
 from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
+from graphrt.backends.compiled import eager_stance
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus, KeyKind
 
@@ -95,11 +96,12 @@ class KeyCapture:
     first), never copied to undo those writes."""
 
     def __init__(self, backend: GraphBackend, warmup_iters: int = 2, verify: bool = True,
-                 scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset) -> None:
+                 scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset, compiled: bool = False) -> None:
         self.backend = backend
         self.warmup_iters = warmup_iters
         self.verify = verify
         self.scratch = scratch
+        self.compiled = compiled  # the step calls a torch.compile'd callable: compile each key before capture
 
     def capture_all(self, registry: GraphRegistry, before_capture: Optional[Callable[[GraphEntry], None]] = None,
                     progress: bool = True) -> CaptureReport:
@@ -135,6 +137,8 @@ class KeyCapture:
             record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
         journal = StateJournal(self.scratch(), WHOLE_SAVE_BUDGET)
         try:
+            if self.compiled:
+                compile_warmup(self.backend, step, journal)
             graph = capture_graph(self.backend, step, warmup_iters, record, journal)
         except Exception as error:  # a failed capture disables only this key
             registry.mark_failed(entry, error, then=then)
@@ -184,6 +188,22 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
 Record = Callable[[Callable[[], Any], Sequence[torch.Generator]], CapturedGraph]
 
 
+def compile_warmup(backend: GraphBackend, fn: Callable[[], Any], journal: StateJournal) -> None:
+    """Compile a torch.compile'd step at this key's shapes: one call with no dispatch mode active
+    (under a mode Dynamo would skip the code for good; under a CUDA capture compiling fails), its
+    writes undone. The eager path runs first under ``journal`` to learn and save the regions the
+    step writes; the compiled call writes the same regions, which ``journal`` then restores."""
+    with torch.no_grad():
+        try:
+            with journal, eager_stance():
+                fn()
+            journal.put_back()
+            with backend.warmup_context():
+                fn()
+        finally:
+            journal.restore()
+
+
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
                   journal: Optional[StateJournal] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
@@ -195,7 +215,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     graph = None
     with torch.no_grad():
         try:
-            with journal:
+            with journal, eager_stance():
                 with backend.warmup_context():
                     for _ in range(warmup_iters):
                         fn()
@@ -225,7 +245,7 @@ def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_lea
     This catches what no recording sees: kernels outside the dispatcher, a model whose path
     differs under capture, draws from a generator the graph does not advance as eager does."""
     journal = StateJournal() if journal is None else journal
-    with torch.no_grad():
+    with torch.no_grad(), eager_stance():
         try:
             with journal:
                 expected = [_owned(leaf) for leaf in fn()]

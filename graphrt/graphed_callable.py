@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
+from graphrt.backends.compiled import is_compiled
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.layout.call_signature import CallSignature, StaticCall
@@ -128,7 +129,7 @@ class GraphedCallable:
         self._stats = RuntimeStats()
         self.verify = verify
         self.backend = make_backend(self.backend_name, resolve_device(requested, None))
-        self.capturer = KeyCapture(self.backend, warmup_iters, verify)
+        self.capturer = KeyCapture(self.backend, warmup_iters, verify, compiled=is_compiled(fn))
         if not isinstance(max_signatures, int) or isinstance(max_signatures, bool):
             raise TypeError(f"max_signatures: expected an int >= 1, got {max_signatures!r}")
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(

@@ -20,6 +20,7 @@ import torch
 from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
+from graphrt.backends.compiled import is_compiled
 from graphrt.backends.state_journal import storage_key
 from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled
 from graphrt.batch_context import scratch_tensors, table_sizes
@@ -78,7 +79,8 @@ class GraphRunner:
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
         self.backend = make_backend(self.backend_name, self.device)
         self.registry = GraphRegistry(config.copy_outputs, self.debug)
-        self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages)
+        self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages,
+                                   is_compiled(model))
         self._stagers = {False: DecodeStager(self.buffers, self.context)}
         if "extend_start_loc" in self.buffers.slots:
             self._stagers[True] = ExtendStager(self.buffers, self.context)

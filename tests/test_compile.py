@@ -1,8 +1,8 @@
 """torch.compile inside graphrt: a compiled model gives eager's numbers on every call, its state
 advances once per call, and its graphs replay; one compiled with CUDA graphs of its own is refused.
 
-On CPU the recording sees the step's eager ops (torch.compile steps aside while a dispatch mode
-is active) and verification compares the replay with the compiled step; the compiled kernels
+On CPU the recording sees the step's eager ops (graphrt runs compiled callables eagerly under its dispatch
+modes; each key is compiled first with no mode active) and verification compares the replay with the step; compiled kernels
 round differently from eager by a few ulps, hence allclose.
 """
 
@@ -66,3 +66,53 @@ def test_compiled_with_its_own_cuda_graphs_is_refused_naming_the_pairing(mode):
         graphrt.wrap(torch.compile(model, mode=mode), max_batch_size=8)
     with pytest.raises(ValueError, match="model: compiled with CUDA graphs"):
         graphrt.GraphRunner(torch.compile(model.forward, mode=mode), max_batch_size=8)
+
+
+class CountingBackend:
+    """A torch.compile backend that counts compilations (and the dispatch mode active during each)
+    and runs of the compiled code."""
+
+    def __init__(self) -> None:
+        self.compiles_under_mode = []  # per compilation: was a torch dispatch mode active
+        self.runs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        self.compiles_under_mode.append(_get_current_dispatch_mode() is not None)
+
+        def run(*args):
+            self.runs += 1
+            return graph_module.forward(*args)
+
+        return run
+
+
+def test_a_compiled_model_compiles_outside_every_dispatch_mode_and_stays_compiled():
+    """A compiled callable first called under a dispatch mode is skipped by Dynamo for good: capture
+    compiles each key with no mode active (state undone), records its eager path, and after capture
+    an eager step still runs compiled code."""
+    model = ToyPagedModel()
+    counting = CountingBackend()
+    runner = graphrt.GraphRunner(torch.compile(model, backend=counting, dynamic=False), max_batch_size=8,
+                                 capture_sizes=[4, 8], backend="emulated", progress=False)
+    kv = model.kv.clone()
+    assert not runner.capture().failed
+    assert len(counting.compiles_under_mode) >= 2 and not any(counting.compiles_under_mode), (
+        "every key compiled, none under a dispatch mode")
+    assert torch.equal(model.kv, kv), "the compile warm-ups' writes are undone"
+    runs = counting.runs
+    batch = decode_batch(9, seed=1)  # above the largest key: eager
+    with torch.no_grad():
+        expected = model(batch.input_ids, batch.positions, batch)
+    torch.testing.assert_close(runner(batch), expected)
+    assert runner.stats()["eager_reasons"] == {"batch_too_large": 1} and counting.runs == runs + 1, (
+        "the eager step ran the compiled code")
+
+
+def test_check_leaves_a_compiled_callable_compilable():
+    counting = CountingBackend()
+    compiled = torch.compile(Stepper().eval(), backend=counting)
+    assert graphrt.check(compiled, torch.ones(2, 16)).ok
+    compiled(torch.ones(2, 16))
+    assert counting.compiles_under_mode == [False] and counting.runs == 1

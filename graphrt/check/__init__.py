@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from graphrt.check.callables import check_callable
 from graphrt.check.hazards import HAZARDS, Hazard, Severity
+from graphrt.backends.compiled import eager_stance
 from graphrt.check.inputs import Arguments
 from graphrt.check.report import ArgumentInfo, CheckReport, Finding, StateWrite
 from graphrt.check.runner_check import RunnerLike, check_runner
@@ -39,7 +40,8 @@ def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequenc
         return fn.check(*example_args)
     if isinstance(fn, GraphedCallable):  # check what wrap() graphs, without capturing anything
         fn = fn.fn
-    return check_callable(fn, example_args, example_kwargs, variants)
+    with eager_stance():  # a compiled fn called under the check's modes would never compile again
+        return check_callable(fn, example_args, example_kwargs, variants)
 
 
 __all__ = ["HAZARDS", "ArgumentInfo", "CheckReport", "Finding", "Hazard", "Severity", "StateWrite", "check", "check_runner"]

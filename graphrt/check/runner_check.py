@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 import torch
 
+from graphrt.backends.compiled import eager_stance
 from graphrt.batch import ForwardBatch
 from graphrt.check.inputs import CallTree
 from graphrt.check.names import callable_roots
@@ -55,7 +56,7 @@ def check_runner(runner: RunnerLike, examples: Sequence[ForwardBatch] = (),
     roots = ([("forward_batch", entries[0].static_inputs)] if entries else []) + callable_roots(runner.model) + [
         ("batch_context", runner.context)]
     session = CheckSession(f"GraphRunner({type(runner.model).__name__})", roots, runner.device)
-    with preserved_random_state(), preserved_state(session.graph):
+    with preserved_random_state(), preserved_state(session.graph), eager_stance():
         if runner.piecewise:
             _check_splits(session, runner)
         for position, entry in enumerate(entries):
