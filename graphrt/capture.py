@@ -140,6 +140,7 @@ class KeyCapture:
             if self.compiled:
                 compile_warmup(self.backend, step, journal)
             graph = capture_graph(self.backend, step, warmup_iters, record, journal)
+            check_devices(entry, graph, self.backend.graph_device)
         except Exception as error:  # a failed capture disables only this key
             registry.mark_failed(entry, error, then=then)
             return False
@@ -154,6 +155,21 @@ class KeyCapture:
                 entry.verify_seconds = time.perf_counter() - start
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad)
         return True
+
+
+def check_devices(entry: GraphEntry, graph: CapturedGraph, device: Optional[torch.device]) -> None:
+    """Refuse a graph whose static inputs or outputs live off its backend's device: a CUDA graph
+    neither stages nor refreshes a CPU tensor (it would replay the capture's outputs forever)."""
+    if device is None:
+        return
+    inputs: List[Any] = []
+    named = [(path, leaf) for path, leaf in zip(leaf_paths(flatten(entry.static_inputs, inputs), "input"), inputs)]
+    named += list(zip(leaf_paths(entry.output_structure, "output"), graph.outputs))
+    for path, leaf in named:
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            raise ValueError(f"{path} is on {leaf.device}: a graph captured on {device} can neither stage nor "
+                             "refresh it; keep the step's tensors on one device (wrap() picks the backend from "
+                             "the call's tensors with backend='auto')")
 
 
 def _pieces(entry: GraphEntry) -> Optional[int]:
@@ -207,7 +223,8 @@ def compile_warmup(backend: GraphBackend, fn: Callable[[], Any], journal: StateJ
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
                   journal: Optional[StateJournal] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
-    default ``backend.capture``); every in-place write and every random draw undone. The
+    default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
+    back before the next run); every in-place write and every random draw undone. The
     generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
     ``journal``: the StateJournal to use, for a caller that reads what the step wrote."""
     record = backend.capture if record is None else record
@@ -219,6 +236,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                 with backend.warmup_context():
                     for _ in range(warmup_iters):
                         fn()
+                        journal.put_back()  # each run starts from the state as it was (a cache's length)
                 generators = journal.generators.explicit()
                 if backend.capture_executes:
                     graph = record(fn, generators)

@@ -64,6 +64,7 @@ class LayoutGraphs:
     outputs for it carry autograd history in grad mode (None: not seen yet)."""
 
     registry: GraphRegistry
+    capture: Optional[KeyCapture]  # through the backend of the layout's device (None: graphs are off)
     warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
     autograd: Optional[bool] = None
 
@@ -120,16 +121,16 @@ class GraphedCallable:
             default_capture_sizes(max_batch_size) if capture_sizes is None
             else normalize_capture_sizes(capture_sizes, max_batch_size)
         )
-        requested = resolve_backend_name(backend)
-        self.backend_name = "eager" if graphs_disabled_by_env() else requested
+        resolve_backend_name(backend)  # an unknown name is refused here, before any call
+        self.requested_backend = "eager" if graphs_disabled_by_env() else backend
+        self.backend_name = resolve_backend_name(self.requested_backend)  # until a call shows its tensors' device
         self.progress = progress
         self.warmup_iters = warmup_iters
         self.copy_outputs = copy_outputs
         self.debug = debug_enabled() if debug is None else debug
         self._stats = RuntimeStats()
         self.verify = verify
-        self.backend = make_backend(self.backend_name, resolve_device(requested, None))
-        self.capturer = KeyCapture(self.backend, warmup_iters, verify, compiled=is_compiled(fn))
+        self._captures: Dict[Tuple[str, Optional[torch.device]], KeyCapture] = {}  # one backend (pool) per device
         if not isinstance(max_signatures, int) or isinstance(max_signatures, bool):
             raise TypeError(f"max_signatures: expected an int >= 1, got {max_signatures!r}")
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
@@ -146,14 +147,30 @@ class GraphedCallable:
         return None if current is None else current.signature
 
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
-        """A new layout's registry: one key per capture size, pending."""
+        """A new layout's registry (one key per capture size, pending), captured through the backend
+        of the device its tensors live on."""
         registry = GraphRegistry(self.copy_outputs, self.debug)
-        if self.backend_name != "eager":
+        capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
+        if capture is not None:
             stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
                               lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
-        return LayoutGraphs(registry)
+        return LayoutGraphs(registry, capture)
 
+    def _capture_for(self, device: torch.device) -> Optional[KeyCapture]:
+        """The capture of layouts whose tensors live on ``device``: with ``backend="auto"`` CUDA
+        graphs for CUDA tensors and the emulated backend for others (a CUDA graph of CPU tensors
+        would replay nothing); None when graphs are off."""
+        name = resolve_backend_name(self.requested_backend, device)
+        if name == "eager":
+            return None
+        backend_device = resolve_device(name, device if name == "cuda" and device.type == "cuda" else None)
+        key = (name, backend_device)
+        capture = self._captures.get(key)
+        if capture is None:
+            capture = self._captures[key] = KeyCapture(make_backend(name, backend_device), self.warmup_iters,
+                                                       self.verify, compiled=is_compiled(self.fn))
+        return capture
     @staticmethod
     def _drop_graphs(graphs: LayoutGraphs) -> None:
         """Forget a layout's graphs (their memory returns once nothing holds their tensors)."""
@@ -198,7 +215,7 @@ class GraphedCallable:
             if layout is None:
                 raise ValueError("args: no new layout is opened for calls like this example: "
                                  + "; ".join(self.layouts.churn.values()))
-            if self.backend_name == "eager":
+            if layout.graphs.capture is None:
                 return CaptureReport()
             signature = layout.signature
             if signature.tentative and any(size != rows for size in self.capture_sizes):
@@ -211,7 +228,7 @@ class GraphedCallable:
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
                 self._static_inputs(signature, entry)
 
-            report = self.capturer.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
+            report = layout.graphs.capture.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
             if report.ok:
                 self.layouts.recorded(layout)
                 self._learn_autograd(layout)
@@ -230,9 +247,9 @@ class GraphedCallable:
                 return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
             if layout is None:
                 return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
-            if self.backend_name == "eager":
-                return self._run_eager(EagerReason.GRAPHS_DISABLED, layout, batch_size, args, kwargs)
             graphs = layout.graphs
+            if graphs.capture is None:
+                return self._run_eager(EagerReason.GRAPHS_DISABLED, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
                 return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
             decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
@@ -260,10 +277,9 @@ class GraphedCallable:
         on its staged inputs (the recording's writes undone) and replays once for its output."""
         graphs = layout.graphs
         warm_calls = graphs.warm_calls.get(entry.key, 0)
-        if warm_calls < self.warmup_iters:
+        if warm_calls < self.warmup_iters:  # a real call, on the caller's stream
             graphs.warm_calls[entry.key] = warm_calls + 1
-            with self.backend.warmup_context():
-                return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+            return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
         padded = entry.key.num_tokens
         if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
@@ -299,8 +315,9 @@ class GraphedCallable:
         self._static_inputs(layout.signature, entry)
         padded = entry.key.num_tokens
         then = "" if batch_size == padded else f"calls of {batch_size} rows get a graph at their own size"
-        with self.backend.capture_session():
-            return self.capturer.capture_entry(layout.graphs.registry, entry, 0, then)
+        capture = layout.graphs.capture
+        with capture.backend.capture_session():  # one warm-up at the padded shape first, its writes undone
+            return capture.capture_entry(layout.graphs.registry, entry, 1, then)
 
     def _exact_size_entry(self, layout: Layout[LayoutGraphs], batch_size: int) -> GraphEntry:
         """A key of the call's own size, for a size whose padded key's capture failed."""
@@ -342,7 +359,9 @@ class GraphedCallable:
         layout ``n`` are prefixed ``layout{n}:``. ``arg_layout`` is the layout used last.
         """
         result = self._stats.as_dict()
-        result["backend"] = self.backend_name
+        current = self.layouts.current
+        result["backend"] = self.backend_name if current is None or current.graphs.capture is None else (
+            current.graphs.capture.backend.name)
         held = self.layouts.layouts.values()
         result.update(merged_summary({f"layout{layout.number}:" if layout.number else "": layout.graphs.registry
                                       for layout in held}))

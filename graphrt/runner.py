@@ -60,7 +60,7 @@ class GraphRunner:
         elif options:
             config = config.with_options(**options)
         refuse_compiled_cudagraphs(model, "model")
-        requested = resolve_backend_name(config.backend)
+        requested = resolve_backend_name(config.backend, config.device)
         self.model = model
         self.config = config
         self.device = resolve_device(requested, config.device)

@@ -74,9 +74,10 @@ def test_capture_calls_match_torch_cuda_signatures_and_order(fake_cuda):
     graph_mock.capture_begin.assert_called_once_with(pool=(0, 1))
     graph_mock.capture_end.assert_called_once_with()
     assert graph.replay == graph_mock.replay
-    # Warm-ups run on the capture stream; their writes are undone before capture begins.
+    # Warm-ups run on the capture stream, each on the state as it was; their writes are undone before
+    # capture begins.
     assert events == [
-        ("enter stream", side_stream), ("step", 0), ("step", 1), ("exit stream", side_stream),
+        ("enter stream", side_stream), ("step", 0), ("step", 0), ("exit stream", side_stream),
         ("enter stream", side_stream), ("capture_begin", {"pool": (0, 1)}), ("step", 0),
         ("capture_end",), ("exit stream", side_stream),
     ]

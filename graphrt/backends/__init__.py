@@ -34,12 +34,14 @@ def resolve_device(backend_name: str, device: Optional[Union[str, torch.device]]
     return device
 
 
-def resolve_backend_name(name: str) -> str:
-    """Map ``auto`` to ``cuda`` when CUDA is available, else ``emulated``; reject unknown names."""
+def resolve_backend_name(name: str, device: Optional[Union[str, torch.device]] = None) -> str:
+    """Map ``auto`` to ``cuda`` when CUDA is available and ``device`` (where the step's tensors
+    live, when known) is a CUDA device, else ``emulated``; reject unknown names."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "emulated"
+        on_cuda = device is None or torch.device(device).type == "cuda"
+        return "cuda" if on_cuda and torch.cuda.is_available() else "emulated"
     return name
 
 

@@ -51,6 +51,7 @@ class GraphBackend(Protocol):
 
     name: str
     capture_executes: bool  # True when capture runs the step's ops (its writes must be undone)
+    graph_device: Optional[torch.device]  # where a graph's inputs and outputs must live (None: anywhere)
 
     def capture_session(self) -> AbstractContextManager:
         """Context for capturing many keys: one gc.collect(), garbage collector off inside."""

@@ -35,6 +35,7 @@ class CudaGraphBackend:
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda': torch.cuda.is_available() is False on this machine")
         self.device = torch.device(device if device is not None else "cuda")
+        self.graph_device = self.device  # a CUDA graph launches kernels on this device only
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=self.device)
 

@@ -52,6 +52,7 @@ class EmulatedBackend:
 
     name = "emulated"
     capture_executes = True  # recording runs the ops, so capture's writes must be undone
+    graph_device = None  # a recording replays its ops on whatever device their tensors live
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = device
