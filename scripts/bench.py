@@ -33,8 +33,6 @@ from bench_lib import (
     PRESETS,
     TOLERANCE,
     BatchResult,
-    Clock,
-    Spread,
     Workload,
     measure_batch,
     measure_throughput,
@@ -63,6 +61,7 @@ from bench_report import (
     plot_latency,
     write_json,
 )
+from bench_timing import Clock, Spread
 from bench_ubatch import UBatchResult, format_ubatch, measure_ubatch
 from capture_sizes_study import format_study, study
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
-from bench_lib import Clock, Spread, time_rounds
+from bench_timing import Clock, Spread, time_rounds
 
 from graphrt import wrap
 

@@ -1,10 +1,5 @@
-"""Measurement core of scripts/bench.py: model setup, decode batches, verification, timed samples.
-
-Every figure is a sample of ``inner`` back-to-back calls, after one untimed call, bracketed by a
-device synchronization and divided by ``inner`` (so timer resolution and launch queueing do
-not distort short calls); samples of the callables of one batch size are taken in
-interleaved rounds, so slow drifts of machine load hit every column alike.
-"""
+"""Measurement core of scripts/bench.py: model setup, decode batches, verification, the timed
+decode figures and throughput (how samples are taken: bench_timing)."""
 
 from __future__ import annotations
 
@@ -14,10 +9,11 @@ import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
+from bench_timing import Clock, Spread, time_rounds
 
 from graphrt import ForwardBatch, GraphRunner
 from graphrt.batch import CONTEXT_FIELDS
@@ -44,25 +40,6 @@ PRESETS: Dict[str, Callable[..., ReferenceConfig]] = {
     "realistic": functools.partial(ReferenceConfig.realistic, max_context_len=512),
 }
 TOLERANCE = {torch.float32: 1e-4}  # atol = rtol for graph vs eager logits; 2e-2 for 16-bit types
-
-
-@dataclass
-class Spread:
-    """Median and 10th/90th percentiles of a list of samples (microseconds unless noted)."""
-
-    median: float
-    p10: float
-    p90: float
-
-    @classmethod
-    def of(cls, samples: Sequence[float]) -> "Spread":
-        """Summarize ``samples`` (at least one)."""
-        p10, median, p90 = np.percentile(np.asarray(samples, dtype=np.float64), [10, 50, 90])
-        return cls(float(median), float(p10), float(p90))
-
-    def scaled(self, factor: float) -> "Spread":
-        """The same spread multiplied by ``factor`` (e.g. divided by a unit cost)."""
-        return Spread(self.median * factor, self.p10 * factor, self.p90 * factor)
 
 
 def model_config(preset: str, dtype: torch.dtype, overrides: Dict[str, Optional[int]]) -> ReferenceConfig:
@@ -120,61 +97,6 @@ class Workload:
             [rng.randrange(self.config.vocab_size) for _ in range(rng.randint(min(4, longest), longest))]
             for _ in range(count)
         ]
-
-
-class Clock:
-    """Times a callable in samples of many calls, bracketed by device synchronization."""
-
-    def __init__(self, device: torch.device, target_s: float, max_inner: int = 10_000) -> None:
-        self.sync: Callable[[], None] = (
-            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        )
-        self.target_s = target_s
-        self.max_inner = max_inner
-
-    def _elapsed(self, fn: Callable[[], Any], calls: int) -> float:
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        self.sync()
-        return time.perf_counter() - start
-
-    def calibrate(self, fn: Callable[[], Any]) -> int:
-        """Calls per sample so that one sample lasts about ``target_s`` (doubles as warm-up)."""
-        calls = 1
-        while True:
-            elapsed = self._elapsed(fn, calls)
-            if elapsed >= self.target_s / 4 or calls >= self.max_inner:
-                break
-            calls *= 2
-        return max(1, min(self.max_inner, round(calls * self.target_s / max(elapsed, 1e-9))))
-
-    def sample_us(self, fn: Callable[[], Any], calls: int) -> float:
-        """Microseconds per call over one sample of ``calls`` calls, after one untimed call, so every
-        probe is timed warm whatever ran before it."""
-        fn()
-        return self._elapsed(fn, calls) / calls * 1e6
-
-
-def time_rounds(
-    clock: Clock,
-    probes: Sequence[Tuple[str, Callable[[], Any]]],
-    iters: int,
-    warmup: int,
-    on_round: Callable[[], None] = lambda: None,
-) -> Tuple[Dict[str, int], Dict[str, List[float]]]:
-    """Calls per sample and ``iters`` samples (µs per call) per probe, in interleaved rounds run
-    in ``probes`` order; the first ``warmup`` rounds are discarded."""
-    inner = {name: clock.calibrate(fn) for name, fn in probes}
-    samples: Dict[str, List[float]] = {name: [] for name, _ in probes}
-    for round_index in range(warmup + iters):
-        for name, fn in probes:
-            value = clock.sample_us(fn, inner[name])
-            if round_index >= warmup:
-                samples[name].append(value)
-        on_round()
-    return inner, samples
 
 
 @dataclass

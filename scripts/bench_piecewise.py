@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from bench_lib import Clock, Spread, Workload, time_rounds
+from bench_lib import Workload
+from bench_timing import Clock, Spread, time_rounds
 
 from graphrt import ForwardBatch, ForwardMode, GraphRunner
 from graphrt.batch import CONTEXT_FIELDS

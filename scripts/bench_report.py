@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from bench_lib import BatchResult, Spread
+from bench_lib import BatchResult
+from bench_timing import Spread
 
 OVERHEAD_TARGET = 10.0  # trivial eager ops per runner call (DESIGN.md)
 BACKEND_NOTES = {
