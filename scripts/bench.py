@@ -10,7 +10,8 @@ throughput eager vs runner, capture time and graph pool memory. Every graph is c
 eager before it is timed. Without CUDA the backend is emulated and the graph column measures
 graphrt's overhead, not a speedup. Last, Hugging Face generate() on a tiny random Llama: eager vs
 graphrt.hf.graph_generate vs torch.compile(mode="reduce-overhead") (scripts/bench_hf.py; --no-hf
-skips it, --no-compile skips its ~10 s torch.compile peer).
+skips it, --no-compile skips its ~10 s torch.compile peer). The load average is printed at the
+start and the end, with a WARNING when other processes kept the machine busy (bench_load).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import dataclasses
 import datetime
 import importlib.util
 import logging
-import os
 import random
 import sys
 import time
@@ -41,6 +41,7 @@ from bench_lib import (
     parameter_count,
 )
 from bench_hf import format_hf, measure_hf_generate
+from bench_load import LoadSample, format_load, load_verdict, sample_load
 from bench_peer import compiled_step, warm_compiled
 from bench_piecewise import (
     PIECEWISE_SIZES,
@@ -306,8 +307,9 @@ def run_piecewise(settings: Settings, config: Any, max_batch_size: int, rng: ran
             "traces": [dataclasses.asdict(trace) for trace in traces], "seconds": time.perf_counter() - start}
 
 
-def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[BatchResult]]:
-    """Build, capture, verify and time everything; returns the JSON document and the per-size results."""
+def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Tuple[Dict[str, Any], List[BatchResult]]:
+    """Build, capture, verify and time everything; returns the JSON document and the per-size
+    results (the load at the end is read when everything timed has run)."""
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     machine = machine_info(settings.device)
@@ -322,13 +324,16 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         ubatch = measure_ubatch(work, runner, Clock(settings.device, settings.sample_ms / 1e3), settings.ubatch_sizes,
                                 settings.iters, settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
         piecewise = run_piecewise(settings, config, max_batch_size, rng)
+    hf = hf_summary(settings)
+    load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
     doc = {
         "benchmark": "graphrt decode step: eager vs GraphRunner vs raw replay",
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["scripts/bench.py", *argv],
         "settings": dataclasses.asdict(settings),
-        "machine": {**machine, "load_average_end": list(os.getloadavg())},
+        "machine": machine,
+        "load": load,
         "backend": backend,
         "emulated": backend == "emulated",
         "backend_note": BACKEND_NOTES.get(backend, backend),
@@ -350,7 +355,7 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
-        "hf_generate": hf_summary(settings),
+        "hf_generate": hf,
     }
     return doc, results
 
@@ -372,11 +377,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     settings = resolve(parse_args(argv))
     settings.out.mkdir(parents=True, exist_ok=True)
+    load_start = sample_load()
+    print("\n".join(format_load(load_verdict(load_start))), flush=True)
     threads = torch.get_num_threads()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     try:
-        doc, results = run(settings, argv)
+        doc, results = run(settings, argv, load_start)
     finally:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
     print(format_report(doc, results))
@@ -391,6 +398,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
+    print("\n".join(format_load(doc["load"])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
     if settings.plot:
         why_not = plot_latency(doc, results, stem.with_suffix(".png"))

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from bench_lib import BatchResult
+from bench_load import format_load
 from bench_timing import Spread
 
 OVERHEAD_TARGET = 10.0  # trivial eager ops per runner call (DESIGN.md)
@@ -42,7 +43,7 @@ def cpu_model() -> str:
 
 
 def machine_info(device: torch.device) -> Dict[str, Any]:
-    """Where the figures were taken: device, CPU, core count, versions, load average."""
+    """Where the figures were taken: device, CPU, core count, versions (the load: bench_load)."""
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
@@ -53,7 +54,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "load_average_start": list(os.getloadavg()),
     }
 
 
@@ -81,6 +81,7 @@ def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
         f"graphrt decode benchmark | backend: {doc['backend'].upper()} | device: {machine['device_name']} "
         f"({machine['cpu_cores']} CPU cores) | torch {machine['torch']}",
         f"NOTE: {doc['backend_note']}.",
+        *format_load(doc["load"]),
         f"model {model['preset']}: {config['num_layers']} layers, hidden {config['hidden_size']}, "
         f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}, "
         f"context {config['max_context_len']}, {config['dtype']}, {model['parameters'] / 1e6:.1f}M parameters",

@@ -1,4 +1,5 @@
-"""scripts/bench.py end to end with tiny settings: JSON fields, emulated label, verification gate."""
+"""scripts/bench.py end to end with tiny settings: JSON fields, emulated label, verification gate;
+the busy-machine verdict on made-up samples."""
 
 from __future__ import annotations
 
@@ -88,10 +89,42 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     assert [row["trace"] for row in study] == ["uniform 1..64", "Poisson mean 12", "bursty 1-4 / 48-64"]
     assert all(row["tuned_waste"] <= row["default_waste"] for row in study), "tuned sizes never pad more"
     assert "graphs for <= 5%" in printed
+    check_load(doc, printed)
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench_cpu_tiny.png").stat().st_size > 0
     if importlib.util.find_spec("transformers") is not None:
         check_hf_section(doc["hf_generate"], printed)
+
+
+def check_load(doc: dict, printed: str) -> None:
+    """The load at start and end, the busy verdict and its WARNING."""
+    load = doc["load"]
+    assert load["cores"] == doc["machine"]["cpu_cores"] and len(load["start"]["load_average"]) == 3
+    assert len(load["end"]["load_average"]) == 3 and load["seconds"] > 0
+    assert load["busy"] == any(value > load["busy_threshold"] for value in load["readings"].values())
+    assert (load["warning"] is not None) == load["busy"]
+    assert printed.count("load average at the start") == 3  # at the start, in the report's header, at the end
+    assert "load average at the end" in printed
+    assert ("WARNING: machine BUSY" in printed) == load["busy"]
+
+
+def test_busy_machine_is_flagged(monkeypatch):
+    """A 1-minute load above half the cores at the start, or other processes' CPU time over the
+    run above half the cores, makes the run busy with a WARNING; an idle reading does not."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    load = importlib.import_module("bench_load")
+
+    def sample(wall_s, load1, busy_cpu_s, own_cpu_s):
+        return load.LoadSample(wall_s, (load1, load1, load1), 4, busy_cpu_s, own_cpu_s)
+
+    idle = load.load_verdict(sample(0.0, 0.3, 100.0, 1.0), sample(60.0, 1.0, 162.0, 61.0))  # the bench's own core
+    assert idle["busy"] is False and idle["warning"] is None
+    assert idle["readings"]["cores other processes used during the run"] == pytest.approx(0.0333, abs=1e-3)
+    busy_start = load.load_verdict(sample(0.0, 2.5, None, 0.0))
+    assert busy_start["busy"] is True and "WARNING: machine BUSY" in busy_start["warning"]
+    others = load.load_verdict(sample(0.0, 0.3, 100.0, 1.0), sample(60.0, 1.0, 100.0 + 60 + 150, 61.0))
+    assert others["busy"] is True and "other processes used during the run 2.50" in others["warning"]
+    assert any(line.startswith("WARNING") for line in load.format_load(others))
 
 
 def check_hf_section(hf: dict, printed: str) -> None:
