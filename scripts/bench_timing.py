@@ -3,19 +3,27 @@
 Every figure is a sample of ``inner`` back-to-back calls, after one untimed call, bracketed by a
 device synchronization and divided by ``inner`` (so timer resolution and launch queueing do
 not distort short calls); the callables compared with each other are sampled in interleaved
-rounds, so slow drifts of machine load hit every column alike.
+rounds, so slow drifts of machine load hit every column alike. A cost (what one callable adds
+over another) is the per-round difference of two samples of the same round, and is printed as a
+cost only when it rises above the noise (``Cost``).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+Probe = Tuple[str, Callable[[], Any]]
+# cost name -> (minuend probe, subtrahend probe or None for the minuend's own time, calls per minuend call)
+Pairs = Mapping[str, Tuple[str, Optional[str], int]]
+
 
 @dataclass
 class Spread:
@@ -115,3 +123,73 @@ def time_rounds(
                     samples[name].append(value)
             on_round()
     return inner, samples
+
+
+@dataclass
+class Cost:
+    """What one callable adds over another, from the differences of their samples in the same
+    rounds: µs per call, and trivial ops of the same round (each round's difference divided by
+    that round's trivial-op sample, so a slower round does not read as a costlier call).
+
+    The noise rule, one for every cost the bench prints: a cost is ``above_noise`` when the
+    differences' 10th percentile is above zero (at least 9 rounds in 10 found the callable
+    slower) and their median is above the trivial op's own p10-to-p90 spread in the same rounds
+    (the smallest difference these rounds resolve). Otherwise the figure is printed as
+    "below noise", never as a (possibly negative) cost; the JSON keeps the numbers.
+    """
+
+    us: Spread
+    trivial_ops: Spread
+    above_noise: bool
+
+    @classmethod
+    def of(cls, differences_us: Sequence[float], trivial_us: Sequence[float]) -> "Cost":
+        """The cost of per-round ``differences_us``, with ``trivial_us`` the same rounds' trivial-op samples."""
+        us, unit = Spread.of(differences_us), Spread.of(trivial_us)
+        ops = Spread.of([value / trivial for value, trivial in zip(differences_us, trivial_us)])
+        return cls(us, ops, us.p10 > 0 and us.median > unit.p90 - unit.p10)
+
+    @classmethod
+    def paired(cls, samples: Dict[str, List[float]], minuend: str, subtrahend: Optional[str] = None,
+               calls: int = 1, trivial: str = "trivial") -> "Cost":
+        """``samples[minuend]`` (a sample of ``calls`` calls, per call) minus ``samples[subtrahend]``
+        round by round; without a subtrahend, the minuend's own time in trivial ops."""
+        minus = samples[subtrahend] if subtrahend is not None else [0.0] * len(samples[minuend])
+        return cls.of([value / calls - other for value, other in zip(samples[minuend], minus)], samples[trivial])
+
+
+def stability(cost: Mapping[str, Any]) -> float:
+    """p90 / p10 of a cost (the JSON form of a Cost) in trivial ops: how still the figure holds;
+    inf when p10 <= 0."""
+    low, high = cost["trivial_ops"]["p10"], cost["trivial_ops"]["p90"]
+    return high / low if low > 0 else math.inf
+
+
+def verdict(cost: Mapping[str, Any], target: float) -> str:
+    """"yes" / "NO": the median of a cost (the JSON form of a Cost) in trivial ops against
+    ``target``. A cost below noise is within target only when its whole p10-p90 band is, and
+    "unclear" otherwise."""
+    ops = cost["trivial_ops"]
+    if cost["above_noise"]:
+        return "yes" if ops["median"] <= target else "NO"
+    return "yes" if ops["p90"] <= target else "unclear"
+
+
+@dataclass
+class Timed:
+    """One set of interleaved rounds: calls per sample, every probe's spread (µs per call), and the
+    costs asked for."""
+
+    inner_calls: Dict[str, int]
+    times_us: Dict[str, Spread]
+    costs: Dict[str, Cost]
+
+
+def time_costs(clock: Clock, probes: Sequence[Probe], pairs: Pairs, iters: int, warmup: int,
+               on_round: Callable[[], None] = lambda: None) -> Timed:
+    """Time ``probes`` and the trivial op (``x.add_(1)`` on a one-element tensor of the clock's
+    device, last in every round) in interleaved rounds, and each cost of ``pairs`` from them."""
+    trivial = torch.zeros(1, device=clock.device)
+    inner, samples = time_rounds(clock, [*probes, ("trivial", lambda: trivial.add_(1))], iters, warmup, on_round)
+    return Timed(inner, {name: Spread.of(values) for name, values in samples.items()},
+                 {name: Cost.paired(samples, *pair) for name, pair in pairs.items()})
