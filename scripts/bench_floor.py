@@ -66,7 +66,7 @@ def decode_floor(runners: Mapping[str, GraphRunner], batch: ForwardBatch, clock:
     """The one-op runners on ``batch`` (without its cache context) against their raw replays, the
     debug runner against the plain one, and validate() alone with and without value checks."""
     bare = without_context(batch)
-    plain, metadata_only, debug = (runners[name] for name in RUNNER_VARIANTS)
+    plain, metadata_only, debug = runners["runner"], runners["runner_metadata_only"], runners["debug"]
     probes: List[Probe] = [
         ("runner", lambda: plain(bare)),
         ("runner_replay", graph_entry(plain, bare).graph.replay),

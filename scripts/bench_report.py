@@ -105,7 +105,7 @@ def format_report(doc: Dict[str, Any]) -> str:
         for b in batches
     ]
     lines += _table(["bs", "padded", *(title for _, title in columns), "eager/graph", "eager/raw replay"], rows)
-    lines += format_runner_floor(batches)
+    lines += format_runner_floor(batches, machine["device"])
     lines += format_parts(batches)
     lines += format_wrap(doc["floor"]["wrap"])
     throughput, capture = doc["throughput"], doc["capture"]
@@ -124,8 +124,9 @@ def format_report(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_runner_floor(batches: Sequence[Mapping[str, Any]]) -> List[str]:
-    """The GraphRunner one-op table: with value checks and metadata only, validate() alone, debug mode."""
+def format_runner_floor(batches: Sequence[Mapping[str, Any]], device: str) -> List[str]:
+    """The GraphRunner one-op table: with value checks and metadata only, validate() alone, debug mode
+    (``device``: where the batches live; off the CPU the default reads no values)."""
     target = TARGETS["runner"]
     lines = ["", f"graphrt's own cost per GraphRunner call: a runner of a one-op model (runner - raw replay of the same "
                  f"graph, paired samples, rounds of their own), trivial ops median [p10-p90], target <= {target:g}"]
@@ -145,7 +146,8 @@ def format_runner_floor(batches: Sequence[Mapping[str, Any]]) -> List[str]:
     lines += _table([*header, "validate(): values / metadata only", "debug: + us"], rows)
     lines += [
         f"value checks: {LABELS['runner']}: GraphRunner's default; on CPU validate() also reads the index values of "
-        "the batch's host tensors",
+        "the batch's host tensors" + ("" if device == "cpu" else
+                                      f" (on {device} the default checks metadata only: both columns check the same)"),
         f"metadata only: {LABELS['runner_metadata_only']}: GraphRunner(check_values=False), validate() checks "
         "metadata only: the figure a GPU user pays",
         "validate(): batch.validate() alone, with and without the value checks, same rounds (part of the runner's "
