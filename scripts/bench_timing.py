@@ -132,8 +132,9 @@ class Cost:
     that round's trivial-op sample, so a slower round does not read as a costlier call).
 
     The noise rule, one for every cost the bench prints: a cost is ``above_noise`` when the
-    differences' 10th percentile is above zero (at least 9 rounds in 10 found the callable
-    slower) and their median is above the trivial op's own p10-to-p90 spread in the same rounds
+    differences' 10th percentile is above zero, in µs and in trivial ops (at least 9 rounds in 10
+    found the callable slower; both, as the two percentiles interpolate between different
+    rounds) and their median is above the trivial op's own p10-to-p90 spread in the same rounds
     (the smallest difference these rounds resolve). Otherwise the figure is printed as
     "below noise", never as a (possibly negative) cost; the JSON keeps the numbers.
     """
@@ -147,7 +148,7 @@ class Cost:
         """The cost of per-round ``differences_us``, with ``trivial_us`` the same rounds' trivial-op samples."""
         us, unit = Spread.of(differences_us), Spread.of(trivial_us)
         ops = Spread.of([value / trivial for value, trivial in zip(differences_us, trivial_us)])
-        return cls(us, ops, us.p10 > 0 and us.median > unit.p90 - unit.p10)
+        return cls(us, ops, us.p10 > 0 and ops.p10 > 0 and us.median > unit.p90 - unit.p10)
 
     @classmethod
     def paired(cls, samples: Dict[str, List[float]], minuend: str, subtrahend: Optional[str] = None,
