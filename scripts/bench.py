@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from bench_floor import RUNNER_VARIANTS, decode_floor, floor_targets, format_targets, one_op_model, one_op_runners, wrap_floor
+from bench_floor import (
+    RUNNER_VARIANTS,
+    decode_floor,
+    floor_targets,
+    format_targets,
+    one_op_model,
+    one_op_runners,
+    wrap_floor,
+)
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
     PRESETS,

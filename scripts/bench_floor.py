@@ -17,6 +17,7 @@ alone each way.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -142,11 +143,12 @@ def target_summary(label: str, target: float, costs: Sequence[Mapping[str, Any]]
     """One floor figure against ``target``: its costs in trivial ops (the JSON form of a Cost: one per
     batch size, token count...), their verdicts, and whether every one is within target."""
     verdicts = [verdict(cost, target) for cost in costs]
+    stabilities = [stability(cost) for cost in costs]
     return {
         "label": label, "target": target,
         "medians": [cost["trivial_ops"]["median"] for cost in costs],
         "above_noise": [cost["above_noise"] for cost in costs],
-        "stability": [stability(cost) for cost in costs],
+        "stability": [None if math.isinf(value) else value for value in stabilities],  # JSON has no inf
         "verdicts": verdicts,
         "within_target": bool(costs) and all(each == "yes" for each in verdicts),
     }
@@ -160,7 +162,8 @@ def floor_targets(batches: Sequence[Mapping[str, Any]], wrap_costs: Mapping[str,
         return [result["floor"]["costs"][name] for result in results]
 
     figures = {
-        "runner_metadata_only": ("GraphRunner one-op, metadata only (as on a GPU)", "runner", of(batches, "runner_metadata_only")),
+        "runner_metadata_only": ("GraphRunner one-op, metadata only (as on a GPU)", "runner",
+                                 of(batches, "runner_metadata_only")),
         "runner": ("GraphRunner one-op, with value checks (CPU default)", "runner", of(batches, "runner")),
         "wrap": ("wrap() one-op, 1 layout", "wrap", [wrap_costs["1 layout"]]),
         "piecewise_metadata_only": ("piecewise step, 3 pieces, metadata only (as on a GPU)", "piecewise",
@@ -179,15 +182,16 @@ def format_targets(summaries: Mapping[str, Mapping[str, Any]]) -> List[str]:
 
 
 def format_target(summary: Mapping[str, Any]) -> str:
-    """One line: the figure (the range of its medians above noise), the target and the verdict."""
+    """One line: the figure (the range of its medians above noise, to two decimals: the verdict is
+    on the unrounded median), the target and the verdict."""
     medians = sorted(median for median, above in zip(summary["medians"], summary["above_noise"]) if above)
     figure = "below noise"
     if medians:
-        figure = f"{medians[0]:.1f}" if f"{medians[0]:.1f}" == f"{medians[-1]:.1f}" else (
-            f"{medians[0]:.1f} to {medians[-1]:.1f}")
+        figure = f"{medians[0]:.2f}" if f"{medians[0]:.2f}" == f"{medians[-1]:.2f}" else (
+            f"{medians[0]:.2f} to {medians[-1]:.2f}")
         if len(medians) < len(summary["medians"]):
             figure += f" ({len(summary['medians']) - len(medians)} below noise)"
-    stable = [value for value in summary["stability"] if value != float("inf")]
+    stable = [value for value in summary["stability"] if value is not None]
     spread = f", p90/p10 up to {max(stable):.2f}" if stable else ""
     outcome = "yes" if summary["within_target"] else ("NO" if "NO" in summary["verdicts"] else "unclear (noise)")
     return f"  {summary['label']}: {figure} trivial ops{spread}; target <= {summary['target']:g}: {outcome}"

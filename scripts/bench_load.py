@@ -92,8 +92,8 @@ def format_load(verdict: Dict[str, Any]) -> List[str]:
         readings = verdict["readings"]
         others = readings.get("cores other processes used during the run")
         lines.append(
-            f"load average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f} after {verdict['seconds']:.0f} s, of which "
-            f"this bench about {verdict['own_load_end']:.2f}"
+            f"load average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f} after {verdict['seconds']:.0f} s, "
+            f"of which this bench about {verdict['own_load_end']:.2f}"
             + ("" if others is None else f"; other processes used {others:.2f} of the {cores} cores during the run"))
     lines.append(verdict["warning"] or "machine: not busy by these readings")
     return lines

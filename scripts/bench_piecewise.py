@@ -85,8 +85,9 @@ def piecewise_runners(work: Workload, backend: str, max_batch_size: int
     report = runner.capture()
     if report.failed:
         raise SystemExit(f"piecewise capture failed, nothing to benchmark:\n{report}")
-    one_op = one_op_runners(one_op_piecewise_model, CHECK_VARIANTS, max_batch_size=1, capture_sizes=[1], device=work.device, backend=backend,
-                            splitting_ops=[copy_rows], piecewise_sizes=PIECEWISE_SIZES, pad_values=kwargs["pad_values"])
+    one_op = one_op_runners(one_op_piecewise_model, CHECK_VARIANTS, max_batch_size=1, capture_sizes=[1],
+                            device=work.device, backend=backend, splitting_ops=[copy_rows],
+                            piecewise_sizes=PIECEWISE_SIZES, pad_values=kwargs["pad_values"])
     return runner, one_op
 
 

@@ -128,8 +128,9 @@ def format_runner_floor(batches: Sequence[Mapping[str, Any]], device: str) -> Li
     """The GraphRunner one-op table: with value checks and metadata only, validate() alone, debug mode
     (``device``: where the batches live; off the CPU the default reads no values)."""
     target = TARGETS["runner"]
-    lines = ["", f"graphrt's own cost per GraphRunner call: a runner of a one-op model (runner - raw replay of the same "
-                 f"graph, paired samples, rounds of their own), trivial ops median [p10-p90], target <= {target:g}"]
+    lines = ["", "graphrt's own cost per GraphRunner call: a runner of a one-op model (runner - raw replay of the "
+                 "same graph, paired samples, rounds of their own), trivial ops median [p10-p90], "
+                 f"target <= {target:g}"]
     rows = []
     for b in batches:
         floor = b["floor"]
@@ -171,7 +172,8 @@ def format_parts(batches: Sequence[Mapping[str, Any]]) -> List[str]:
     lines += _table(["bs", "runner - raw replay", "attn hook", "graphrt (one-op figure)", "rest"], rows)
     lines += [
         "attn hook: the attention backend's init_forward_metadata_replay alone (the attention metadata refresh)",
-        "graphrt: validate, lookup, staging, replay call and cut, as measured on the one-op model above (value checks on)",
+        "graphrt: validate, lookup, staging, replay call and cut, as measured on the one-op model above "
+        "(value checks on)",
         "rest: runner - raw replay - attn hook - graphrt, round by round: wider staging copies and cache effects of "
         "a real model's larger tensors",
     ]
