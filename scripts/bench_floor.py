@@ -189,12 +189,13 @@ def format_target(summary: Mapping[str, Any]) -> str:
     if medians:
         figure = f"{medians[0]:.2f}" if f"{medians[0]:.2f}" == f"{medians[-1]:.2f}" else (
             f"{medians[0]:.2f} to {medians[-1]:.2f}")
+        figure += " trivial ops"
         if len(medians) < len(summary["medians"]):
             figure += f" ({len(summary['medians']) - len(medians)} below noise)"
     stable = [value for value in summary["stability"] if value is not None]
     spread = f", p90/p10 up to {max(stable):.2f}" if stable else ""
     outcome = "yes" if summary["within_target"] else ("NO" if "NO" in summary["verdicts"] else "unclear (noise)")
-    return f"  {summary['label']}: {figure} trivial ops{spread}; target <= {summary['target']:g}: {outcome}"
+    return f"  {summary['label']}: {figure}{spread}; target <= {summary['target']:g}: {outcome}"
 
 
 def format_figure(cost: Mapping[str, Any], target: Optional[float] = None) -> str:
