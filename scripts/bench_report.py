@@ -225,13 +225,14 @@ def plot_latency(doc: Dict[str, Any], path: Path) -> Optional[str]:
 def _curve(axis: Any, xs: Sequence[int], spreads: Sequence[Mapping[str, float]], label: str,
            solid: Optional[Sequence[bool]] = None, **style: Any) -> bool:
     """A median curve over a light p10-p90 band. Where ``solid`` is False (a cost below noise) the
-    curve breaks and an x sits on the zero line: no median below noise is drawn as a cost.
-    Returns whether any point was below noise."""
+    curve and its band break and an x sits on the zero line: no median below noise is drawn as a
+    cost, and no band of noise covers the figures that mean something. Returns whether any point
+    was below noise."""
     solid = [True] * len(xs) if solid is None else list(solid)
     medians = [s["median"] if keep else math.nan for s, keep in zip(spreads, solid)]
     line, = axis.plot(xs, medians, marker="o", label=label, zorder=3, **style)
-    axis.fill_between(xs, [s["p10"] for s in spreads], [s["p90"] for s in spreads], color=line.get_color(),
-                      alpha=BAND_ALPHA, linewidth=0, zorder=1)
+    axis.fill_between(xs, [s["p10"] for s in spreads], [s["p90"] for s in spreads], where=solid,
+                      color=line.get_color(), alpha=BAND_ALPHA, linewidth=0, zorder=1)
     noisy = [x for x, keep in zip(xs, solid) if not keep]
     if noisy:
         axis.plot(noisy, [0.0] * len(noisy), linestyle="none", marker="x", markersize=9, markeredgewidth=2,
