@@ -4,13 +4,16 @@
     PYTHONPATH=. python3 scripts/bench.py --model tiny --quick  # under a minute on a 2-core CPU
 
 For each batch size: eager step (run_eager), GraphRunner(...)(batch), raw replay of the same
-graph (no staging), the runtime's overhead (runner - raw replay) in units of one trivial eager
-op, batch.validate() alone and the attention replay hook alone; then greedy-generation
-throughput eager vs runner, capture time and graph pool memory. Every graph is checked against
-eager before it is timed. Without CUDA the backend is emulated and the graph column measures
-graphrt's overhead, not a speedup. Last, Hugging Face generate() on a tiny random Llama: eager vs
-graphrt.hf.graph_generate vs torch.compile(mode="reduce-overhead") (scripts/bench_hf.py; --no-hf
-skips it, --no-compile skips its ~10 s torch.compile peer).
+graph (no staging), the runtime's overhead (runner - raw replay) and the attention replay hook
+alone; graphrt's own cost at the floor (bench_floor: a one-op model through GraphRunner with and
+without value checks, batch.validate() alone each way, debug mode) in trivial eager ops of the
+same rounds; then wrap()'s floor, greedy-generation throughput eager vs runner, capture time and
+graph pool memory. Every graph is checked against eager before it is timed. Without CUDA the
+backend is emulated and the graph column measures graphrt's overhead, not a speedup. Last,
+Hugging Face generate() on a tiny random Llama: eager vs graphrt.hf.graph_generate vs
+torch.compile(mode="reduce-overhead") (scripts/bench_hf.py; --no-hf skips it, --no-compile skips
+its ~10 s torch.compile peer). The load average is printed at the start and the end, with a
+WARNING when other processes kept the machine busy (bench_load).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import dataclasses
 import datetime
 import importlib.util
 import logging
-import os
 import random
 import sys
 import time
@@ -29,20 +31,27 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from bench_floor import (
+    RUNNER_VARIANTS,
+    decode_floor,
+    floor_targets,
+    format_targets,
+    one_op_model,
+    one_op_runners,
+    wrap_floor,
+)
+from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
     PRESETS,
     TOLERANCE,
     BatchResult,
-    Clock,
-    Spread,
     Workload,
     measure_batch,
     measure_throughput,
     model_config,
-    one_op_model,
     parameter_count,
 )
-from bench_hf import format_hf, measure_hf_generate
+from bench_load import LoadSample, format_load, load_verdict, sample_load
 from bench_peer import compiled_step, warm_compiled
 from bench_piecewise import (
     PIECEWISE_SIZES,
@@ -56,13 +65,13 @@ from bench_piecewise import (
 )
 from bench_report import (
     BACKEND_NOTES,
-    OVERHEAD_TARGET,
     POOL_LABELS,
     format_report,
     machine_info,
     plot_latency,
     write_json,
 )
+from bench_timing import Clock, Spread
 from bench_ubatch import UBatchResult, format_ubatch, measure_ubatch
 from capture_sizes_study import format_study, study
 
@@ -93,6 +102,7 @@ class Settings:
     piecewise_tokens: List[int]
     iters: int
     warmup: int
+    floor_iters: int
     sample_ms: float
     prompts: int
     new_tokens: int
@@ -124,6 +134,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "--quick 12,40; '' to skip the piecewise section)")
     parser.add_argument("--iters", type=int, help="timed samples per batch size (default 50, --quick 5)")
     parser.add_argument("--warmup", type=int, help="discarded warm-up samples per batch size (default 3, --quick 1)")
+    parser.add_argument("--floor-iters", type=int,
+                        help="timed samples of graphrt's own cost at the floor, per batch size or token count "
+                             "(default 50, --quick 20)")
     parser.add_argument("--sample-ms", type=float, help="target length of one sample, ms (default 5, --quick 1)")
     parser.add_argument("--prompts", type=int, help="prompts for the throughput run (default 8, --quick 4)")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per prompt (default 32, --quick 8)")
@@ -155,7 +168,8 @@ def resolve(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--batch-sizes: expected comma-separated ints, got {args.batch_sizes!r}") from None
     if batch_sizes[0] < 1:
         raise SystemExit(f"--batch-sizes: expected sizes >= 1, got {batch_sizes}")
-    for flag, least in (("iters", 1), ("warmup", 0), ("prompts", 1), ("new_tokens", 1), ("threads", 1)):
+    for flag, least in (("iters", 1), ("warmup", 0), ("floor_iters", 1), ("prompts", 1), ("new_tokens", 1),
+                        ("threads", 1)):
         if getattr(args, flag) is not None and getattr(args, flag) < least:
             raise SystemExit(f"--{flag.replace('_', '-')}: expected >= {least}, got {getattr(args, flag)}")
     threads = args.threads if args.threads is not None or device.type == "cuda" else 1
@@ -192,6 +206,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         piecewise_tokens=piecewise_tokens,
         iters=pick(args.iters, 50, 5),
         warmup=pick(args.warmup, 3, 1),
+        floor_iters=pick(args.floor_iters, 50, 20),
         sample_ms=pick(args.sample_ms, 5.0, 1.0),
         prompts=prompts,
         new_tokens=pick(args.new_tokens, 32, 8),
@@ -244,7 +259,8 @@ def check_summary(runner: GraphRunner) -> Dict[str, Any]:
 def build_runners(settings: Settings, work: Workload, max_batch_size: int
                   ) -> Tuple[GraphRunner, Dict[str, GraphRunner], CaptureReport]:
     """The reference model's runner (captured, micro-batching above its largest size, with its
-    report) and captured runners of a one-op model, plain and in debug mode."""
+    report) and captured runners of a one-op model (bench_floor.RUNNER_VARIANTS: plain, metadata
+    checks only, debug mode)."""
     runner_kwargs = graph_runner_kwargs(work.backend, work.pools)
     runner = GraphRunner(
         work.model, max_batch_size=max_batch_size, backend=settings.backend, device=settings.device,
@@ -253,13 +269,8 @@ def build_runners(settings: Settings, work: Workload, max_batch_size: int
     report = runner.capture()
     if report.failed:
         raise SystemExit(f"capture failed, nothing to benchmark:\n{report}")
-    one_op = {
-        name: GraphRunner(one_op_model, max_batch_size=max_batch_size, backend=settings.backend,
-                          device=settings.device, pad_values=runner_kwargs["pad_values"], progress=False, debug=debug)
-        for name, debug in (("plain", False), ("debug", True))
-    }
-    for one_op_runner in one_op.values():
-        one_op_runner.capture()
+    one_op = one_op_runners(one_op_model, RUNNER_VARIANTS, max_batch_size=max_batch_size, backend=settings.backend,
+                            device=settings.device, pad_values=runner_kwargs["pad_values"])
     return runner, one_op, report
 
 
@@ -285,8 +296,9 @@ def time_batches(settings: Settings, work: Workload, runner: GraphRunner, one_op
                         compile_info["per_batch"][batch_size] = {"error": f"{type(error).__name__}: {error}"}
                         logger.warning("torch.compile peer failed at batch size %d: %s", batch_size, error)
                 results.append(measure_batch(
-                    work, runner, one_op["plain"], batch, clock, settings.iters, settings.warmup, peer, on_round,
-                    one_op["debug"],
+                    work, runner, batch, clock, settings.iters, settings.warmup,
+                    lambda batch: decode_floor(one_op, batch, clock, settings.floor_iters, settings.warmup),
+                    peer, on_round,
                 ))
     return results, compile_info
 
@@ -300,15 +312,16 @@ def run_piecewise(settings: Settings, config: Any, max_batch_size: int, rng: ran
     runner, one_op = piecewise_runners(work, settings.backend, max_batch_size)
     clock = Clock(settings.device, settings.sample_ms / 1e3)
     results = measure_piecewise(work, runner, one_op, clock, settings.piecewise_tokens, settings.iters,
-                                settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
+                                settings.warmup, settings.floor_iters, rng, TOLERANCE.get(config.dtype, 2e-2))
     traces = [chunked_prefill_trace(work, runner, TRACE_REQUESTS, settings.new_tokens, budget, rng)
               for budget in TRACE_TOKEN_BUDGETS]
     return {"sizes": list(PIECEWISE_SIZES), "steps": [dataclasses.asdict(result) for result in results],
             "traces": [dataclasses.asdict(trace) for trace in traces], "seconds": time.perf_counter() - start}
 
 
-def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[BatchResult]]:
-    """Build, capture, verify and time everything; returns the JSON document and the per-size results."""
+def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str, Any]:
+    """Build, capture, verify and time everything; returns the JSON document (the load at the
+    end is read when everything timed has run)."""
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     machine = machine_info(settings.device)
@@ -323,23 +336,30 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         ubatch = measure_ubatch(work, runner, Clock(settings.device, settings.sample_ms / 1e3), settings.ubatch_sizes,
                                 settings.iters, settings.warmup, rng, TOLERANCE.get(config.dtype, 2e-2))
         piecewise = run_piecewise(settings, config, max_batch_size, rng)
+        wrap = wrap_floor(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
+                          settings.warmup)
+    hf = hf_summary(settings)
+    load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
+    batches = [dataclasses.asdict(result) for result in results]
+    wrap_doc = dataclasses.asdict(wrap)
     doc = {
         "benchmark": "graphrt decode step: eager vs GraphRunner vs raw replay",
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["scripts/bench.py", *argv],
         "settings": dataclasses.asdict(settings),
-        "machine": {**machine, "load_average_end": list(os.getloadavg())},
+        "machine": machine,
+        "load": load,
         "backend": backend,
         "emulated": backend == "emulated",
         "backend_note": BACKEND_NOTES.get(backend, backend),
         "model": {"preset": settings.model, "config": dataclasses.asdict(config), "parameters": parameter_count(work.model)},
         "trivial_op_us": dataclasses.asdict(Spread.of([r.times_us["trivial"].median for r in results])),
-        "overhead_target_trivial_ops": OVERHEAD_TARGET,
-        "overhead_within_target": all(r.one_op_overhead_trivial_ops.median <= OVERHEAD_TARGET for r in results),
         "verified": all(r.verification.ok for r in results),
         "capture": capture_summary(report, backend),
-        "batches": [dataclasses.asdict(result) for result in results],
+        "batches": batches,
+        "floor": {"wrap": wrap_doc,
+                  "targets": floor_targets(batches, wrap_doc["costs"], piecewise["steps"] if piecewise else [])},
         "throughput": {
             **dataclasses.asdict(throughput),
             "eager_tokens_per_s": throughput.eager_tokens_per_s,
@@ -351,9 +371,9 @@ def run(settings: Settings, argv: List[str]) -> Tuple[Dict[str, Any], List[Batch
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
-        "hf_generate": hf_summary(settings),
+        "hf_generate": hf,
     }
-    return doc, results
+    return doc
 
 
 def hf_summary(settings: Settings) -> Dict[str, Any]:
@@ -373,14 +393,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     settings = resolve(parse_args(argv))
     settings.out.mkdir(parents=True, exist_ok=True)
+    load_start = sample_load()
+    print("\n".join(format_load(load_verdict(load_start))), flush=True)
     threads = torch.get_num_threads()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     try:
-        doc, results = run(settings, argv)
+        doc = run(settings, argv, load_start)
     finally:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
-    print(format_report(doc, results))
+    print(format_report(doc))
     print("\n".join(format_ubatch([UBatchResult(**{**r, "times_us": {k: Spread(**v) for k, v in r["times_us"].items()}})
                                    for r in doc["ubatch"]], max(settings.batch_sizes[-1], settings.prompts))))
     if doc["piecewise"] is not None:
@@ -392,9 +414,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
+    print("\n".join(format_targets(doc["floor"]["targets"])))
+    print("\n".join(format_load(doc["load"])))
     stem = settings.out / f"bench_{settings.device.type}_{settings.model}"
     if settings.plot:
-        why_not = plot_latency(doc, results, stem.with_suffix(".png"))
+        why_not = plot_latency(doc, stem.with_suffix(".png"))
         print(f"plot: skipped, {why_not}" if why_not else f"plot: {stem.with_suffix('.png')}")
     write_json(doc, stem.with_suffix(".json"))
     print(f"json: {stem.with_suffix('.json')}")

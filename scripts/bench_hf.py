@@ -1,5 +1,5 @@
-"""Hugging Face generate() on a tiny random Llama: eager vs graphrt vs torch.compile, and wrap()'s
-per-call cost with several call layouts.
+"""Hugging Face generate() on a tiny random Llama: eager vs graphrt vs torch.compile (wrap()'s own
+per-call cost is in bench_floor, measured whether or not transformers is installed).
 
 Every peer generates from the same prompts, greedy, with a static cache: first the call that sets
 it up (capture or compile), then warm calls whose decode steps are timed one forward call at a
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
-from bench_lib import Clock, Spread, time_rounds
-
-from graphrt import wrap
+from bench_timing import Spread
 
 PROMPTS, PROMPT_LEN, WARM_CALLS = 3, 8, 2  # 3 prompts: not a capture size, the batch's own size is recorded
 COMPILE_NAME = 'torch.compile(mode="reduce-overhead")'
@@ -43,13 +41,12 @@ class PeerResult:
 
 @dataclass
 class HfResult:
-    """The generate() comparison and wrap()'s per-call cost by number of layouts."""
+    """The generate() comparison."""
 
     model: str
     prompts: int
     new_tokens: int
     peers: List[PeerResult]
-    wrap_overhead_trivial_ops: Dict[str, Spread] = field(default_factory=dict)
     note: str = ""
 
 
@@ -154,45 +151,7 @@ def measure_hf_generate(device: torch.device, new_tokens: int, with_compile: boo
         except Exception as error:  # no C compiler, unsupported platform...: reported, not fatal
             peers.append(PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300]))
     return HfResult("tiny random Llama (2 layers, hidden 64, vocab 128)", PROMPTS, new_tokens, peers,
-                    wrap_call_cost(device), CPU_NOTE if device.type == "cpu" else "")
-
-
-def wrap_call_cost(device: torch.device, iters: int = 5, warmup: int = 1) -> Dict[str, Spread]:
-    """wrap()'s own cost per call of a one-op function (wrapped call - raw replay), in trivial ops:
-    one layout; four layouts holding graphs, the same one called; two layouts called in turn."""
-    def one_op(x: torch.Tensor) -> torch.Tensor:
-        return x + 1
-
-    x = torch.randn(4, 8, device=device)
-    others = [torch.randn(4, width, device=device) for width in (9, 10, 11)]
-    single = wrap(one_op, max_batch_size=4, capture_sizes=[4])
-    several = wrap(one_op, max_batch_size=4, capture_sizes=[4])
-    for fast, inputs in ((single, [x]), (several, others + [x])):
-        for value in inputs:
-            for _ in range(3):  # warm-up, recording, replay
-                fast(value)
-    if single.stats()["graph_runs"] != 2 or several.stats()["graph_runs"] != 8:  # each layout: 2 of its 3 calls
-        raise RuntimeError(f"wrap() layouts did not all replay: {several.stats()['eager_reasons']}")
-    entry = next(entry for entry in single.layouts.current.graphs.registry.entries.values() if entry.graph is not None)
-    trivial = torch.zeros(1, device=device)
-    probes = [
-        ("1 layout", lambda: single(x)),
-        ("4 layouts, the same one called", lambda: several(x)),
-        ("2 layouts called in turn (per call)", lambda: (several(x), several(others[0]))),
-        ("replay", entry.graph.replay),
-        ("trivial", lambda: trivial.add_(1)),
-    ]
-    clock = Clock(device, 1e-3)
-    _, samples = time_rounds(clock, probes, iters, warmup)
-    unit = Spread.of(samples["trivial"]).median
-    costs = {}
-    for name, values in samples.items():
-        if name in ("replay", "trivial"):
-            continue
-        calls = 2 if "in turn" in name else 1
-        costs[name] = Spread.of([value / calls - replay for value, replay in zip(values, samples["replay"])]).scaled(
-            1.0 / unit)
-    return costs
+                    CPU_NOTE if device.type == "cpu" else "")
 
 
 def format_hf(result: Dict[str, Any]) -> List[str]:
@@ -215,7 +174,4 @@ def format_hf(result: Dict[str, Any]) -> List[str]:
     lines += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     if result["note"]:
         lines.append(f"NOTE: {result['note']}.")
-    costs = result["wrap_overhead_trivial_ops"]
-    lines.append("wrap() own cost per call, one-op function (wrapped call - raw replay), trivial ops: " + "; ".join(
-        f"{name} {spread['median']:.1f} [{spread['p10']:.1f}-{spread['p90']:.1f}]" for name, spread in costs.items()))
     return lines

@@ -1,26 +1,20 @@
-"""Measurement core of scripts/bench.py: model setup, decode batches, verification, timed samples.
-
-Every figure is a sample of ``inner`` back-to-back calls, after one untimed call, bracketed by a
-device synchronization and divided by ``inner`` (so timer resolution and launch queueing do
-not distort short calls); samples of the callables of one batch size are taken in
-interleaved rounds, so slow drifts of machine load hit every column alike.
-"""
+"""Measurement core of scripts/bench.py: model setup, decode batches, verification, the timed
+decode figures and throughput (how samples are taken: bench_timing)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
+from bench_timing import Clock, Cost, Probe, Spread, Timed, time_rounds
 
 from graphrt import ForwardBatch, GraphRunner
-from graphrt.batch import CONTEXT_FIELDS
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.reference import (
     CachePools,
@@ -44,25 +38,6 @@ PRESETS: Dict[str, Callable[..., ReferenceConfig]] = {
     "realistic": functools.partial(ReferenceConfig.realistic, max_context_len=512),
 }
 TOLERANCE = {torch.float32: 1e-4}  # atol = rtol for graph vs eager logits; 2e-2 for 16-bit types
-
-
-@dataclass
-class Spread:
-    """Median and 10th/90th percentiles of a list of samples (microseconds unless noted)."""
-
-    median: float
-    p10: float
-    p90: float
-
-    @classmethod
-    def of(cls, samples: Sequence[float]) -> "Spread":
-        """Summarize ``samples`` (at least one)."""
-        p10, median, p90 = np.percentile(np.asarray(samples, dtype=np.float64), [10, 50, 90])
-        return cls(float(median), float(p10), float(p90))
-
-    def scaled(self, factor: float) -> "Spread":
-        """The same spread multiplied by ``factor`` (e.g. divided by a unit cost)."""
-        return Spread(self.median * factor, self.p10 * factor, self.p90 * factor)
 
 
 def model_config(preset: str, dtype: torch.dtype, overrides: Dict[str, Optional[int]]) -> ReferenceConfig:
@@ -122,61 +97,6 @@ class Workload:
         ]
 
 
-class Clock:
-    """Times a callable in samples of many calls, bracketed by device synchronization."""
-
-    def __init__(self, device: torch.device, target_s: float, max_inner: int = 10_000) -> None:
-        self.sync: Callable[[], None] = (
-            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        )
-        self.target_s = target_s
-        self.max_inner = max_inner
-
-    def _elapsed(self, fn: Callable[[], Any], calls: int) -> float:
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        self.sync()
-        return time.perf_counter() - start
-
-    def calibrate(self, fn: Callable[[], Any]) -> int:
-        """Calls per sample so that one sample lasts about ``target_s`` (doubles as warm-up)."""
-        calls = 1
-        while True:
-            elapsed = self._elapsed(fn, calls)
-            if elapsed >= self.target_s / 4 or calls >= self.max_inner:
-                break
-            calls *= 2
-        return max(1, min(self.max_inner, round(calls * self.target_s / max(elapsed, 1e-9))))
-
-    def sample_us(self, fn: Callable[[], Any], calls: int) -> float:
-        """Microseconds per call over one sample of ``calls`` calls, after one untimed call, so every
-        probe is timed warm whatever ran before it."""
-        fn()
-        return self._elapsed(fn, calls) / calls * 1e6
-
-
-def time_rounds(
-    clock: Clock,
-    probes: Sequence[Tuple[str, Callable[[], Any]]],
-    iters: int,
-    warmup: int,
-    on_round: Callable[[], None] = lambda: None,
-) -> Tuple[Dict[str, int], Dict[str, List[float]]]:
-    """Calls per sample and ``iters`` samples (µs per call) per probe, in interleaved rounds run
-    in ``probes`` order; the first ``warmup`` rounds are discarded."""
-    inner = {name: clock.calibrate(fn) for name, fn in probes}
-    samples: Dict[str, List[float]] = {name: [] for name, _ in probes}
-    for round_index in range(warmup + iters):
-        for name, fn in probes:
-            value = clock.sample_us(fn, inner[name])
-            if round_index >= warmup:
-                samples[name].append(value)
-        on_round()
-    return inner, samples
-
-
 @dataclass
 class Verification:
     """Graph logits of the real rows against eager logits of the same batch padded like the runner pads it."""
@@ -214,37 +134,30 @@ class BatchResult:
     padded_size: int
     verification: Verification
     inner_calls: Dict[str, int]
-    times_us: Dict[str, Spread]  # every probe, plus overhead (paired graph - replay) and one_op_overhead
-    overhead_trivial_ops: Spread  # overhead in units of the median trivial op of the same rounds
-    one_op_overhead_trivial_ops: Spread  # the same for a runner of one_op_model (no attention hook, no model noise)
+    times_us: Dict[str, Spread]  # eager, compile, graph, replay, hook, trivial
+    # overhead: graph - raw replay, paired; rest: overhead - attention hook - graphrt's own cost at the floor
+    costs: Dict[str, Cost]
+    floor: Timed  # graphrt's own cost at the floor on the same batch, in rounds of its own (bench_floor)
     graph_speedup: float  # median eager / median graph
     replay_speedup: float  # median eager / median raw replay (emulated: the model's Python saved)
-
-
-def one_op_model(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-    """A model of one op, so that runner minus raw replay is graphrt's own per-step cost without model noise."""
-    return input_ids + positions
 
 
 def graph_entry(runner: GraphRunner, batch: ForwardBatch) -> Any:
     """The registry entry the runner replays for ``batch`` (it must not run eagerly)."""
     decision = runner.dispatcher.decide(batch)
     if decision.reason is not None:
-        raise RuntimeError(f"batch size {batch.batch_size} would run eagerly: {decision.reason.value}")
+        raise RuntimeError(f"{batch.forward_mode.name} batch of {batch.batch_size} requests, {batch.num_tokens} tokens "
+                           f"would run eagerly: {decision.reason.value}")
     return decision.entry
 
 
-def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: ForwardBatch,
-               compiled: Optional[Callable], one_op_debug: Optional[GraphRunner] = None
-               ) -> List[Tuple[str, Callable[[], Any]]]:
+def probes_for(work: Workload, runner: GraphRunner, batch: ForwardBatch, compiled: Optional[Callable]) -> List[Probe]:
     """The timed callables of one batch size, in an order where each keeps its preconditions:
     the raw replay and the attention hook follow a runner call, which leaves the backend
-    pointing at the graph's static metadata (the emulated replay reads it). ``one_op`` runs
-    the same batch, without the cache context, through a runner of ``one_op_model``."""
+    pointing at the graph's static metadata (the emulated replay reads it)."""
     trivial = torch.zeros(1, device=work.device)
     static_batch = graph_entry(runner, batch).static_inputs
     hook = work.backend.init_forward_metadata_replay
-    bare_batch = dataclasses.replace(batch, **{name: None for name in CONTEXT_FIELDS})
     probes = [("eager", lambda: run_eager(work.model, batch))]
     if compiled is not None:
         probes.append(("compile", lambda: compiled(batch)))
@@ -252,29 +165,24 @@ def probes_for(work: Workload, runner: GraphRunner, one_op: GraphRunner, batch: 
         ("graph", lambda: runner(batch)),
         ("replay", graph_entry(runner, batch).graph.replay),
         ("hook", lambda: hook(static_batch)),
-        ("one_op_graph", lambda: one_op(bare_batch)),
-        ("one_op_replay", graph_entry(one_op, bare_batch).graph.replay),
-        ("validate", lambda: batch.validate(runner.device, runner.debug)),
         ("trivial", lambda: trivial.add_(1)),
     ]
-    if one_op_debug is not None:  # debug mode (stale-output guard): the same one-op runner with debug=True
-        probes.append(("one_op_debug_graph", lambda: one_op_debug(bare_batch)))
     return probes
 
 
 def measure_batch(
     work: Workload,
     runner: GraphRunner,
-    one_op: GraphRunner,
     batch: ForwardBatch,
     clock: Clock,
     iters: int,
     warmup: int,
+    floor_of: Callable[[ForwardBatch], Timed],
     compiled: Optional[Callable] = None,
     on_round: Callable[[], None] = lambda: None,
-    one_op_debug: Optional[GraphRunner] = None,
 ) -> BatchResult:
-    """Verify the graph against eager for ``batch``, then time every probe of it."""
+    """Verify the graph against eager for ``batch``, take graphrt's own cost at the floor on it
+    (``floor_of``, rounds of its own), then time the reference model's probes in their rounds."""
     entry = graph_entry(runner, batch)
     verification = verify_graph(work, runner, batch, entry.key.num_reqs)
     if not verification.ok:
@@ -282,25 +190,20 @@ def measure_batch(
             f"batch size {batch.batch_size}: graph logits differ from eager at padded size "
             f"{entry.key.num_reqs} by {verification.max_abs_diff:.3g} (tolerance {verification.tolerance})"
         )
-    probes = probes_for(work, runner, one_op, batch, compiled, one_op_debug)
-    inner, samples = time_rounds(clock, probes, iters, warmup, on_round)
-    if "one_op_debug_graph" in samples:
-        samples["debug_cost"] = [
-            debug - plain for debug, plain in zip(samples["one_op_debug_graph"], samples["one_op_graph"])
-        ]
-    samples["overhead"] = [graph - replay for graph, replay in zip(samples["graph"], samples["replay"])]
-    samples["one_op_overhead"] = [
-        graph - replay for graph, replay in zip(samples["one_op_graph"], samples["one_op_replay"])
-    ]
+    floor = floor_of(batch)
+    inner, samples = time_rounds(clock, probes_for(work, runner, batch, compiled), iters, warmup, on_round)
     times = {name: Spread.of(values) for name, values in samples.items()}
+    overhead = [graph - replay for graph, replay in zip(samples["graph"], samples["replay"])]
+    own = floor.costs["runner"].us.median  # the one-op runner validates the same way (the default check_values)
+    rest = [value - hook - own for value, hook in zip(overhead, samples["hook"])]
     return BatchResult(
         batch_size=batch.batch_size,
         padded_size=entry.key.num_reqs,
         verification=verification,
         inner_calls=inner,
         times_us=times,
-        overhead_trivial_ops=times["overhead"].scaled(1.0 / times["trivial"].median),
-        one_op_overhead_trivial_ops=times["one_op_overhead"].scaled(1.0 / times["trivial"].median),
+        costs={"overhead": Cost.of(overhead, samples["trivial"]), "rest": Cost.of(rest, samples["trivial"])},
+        floor=floor,
         graph_speedup=times["eager"].median / times["graph"].median,
         replay_speedup=times["eager"].median / times["replay"].median,
     )

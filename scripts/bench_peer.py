@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from bench_lib import Clock, Workload
+from bench_lib import Workload
+from bench_timing import Clock
 
 from graphrt import ForwardBatch
 from graphrt.reference import ReferenceDecoder, run_eager

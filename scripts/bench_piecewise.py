@@ -7,17 +7,16 @@ mixed steps through the ``varlen_attention`` custom op, the runner's splitting o
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from bench_lib import Clock, Spread, Workload, time_rounds
+from bench_floor import CHECK_VARIANTS, LABELS, TARGETS, format_figure, one_op_runners, piecewise_floor, raw_replay
+from bench_lib import Workload, graph_entry
+from bench_timing import Clock, Spread, Timed, time_rounds
 
 from graphrt import ForwardBatch, ForwardMode, GraphRunner
-from graphrt.batch import CONTEXT_FIELDS
-from graphrt.forward_context import use_batch
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.reference import VARLEN_OP, ReferenceConfig, build_reference, graph_runner_kwargs, run_eager
 from graphrt.reference.generate import make_decode_batch, make_extend_batch
@@ -53,7 +52,7 @@ class PiecewiseResult:
     max_abs_diff_unpadded: float
     times_us: Dict[str, Spread]
     speedup: float  # median eager / median piecewise
-    one_op_overhead_trivial_ops: Spread
+    floor: Timed  # graphrt's own cost: one-op piecewise runners on the same batch, rounds of their own (bench_floor)
 
 
 @dataclass
@@ -75,19 +74,20 @@ def varlen_workload(config: ReferenceConfig, max_requests: int, device: torch.de
     return Workload(config, model, backend, pools, device)
 
 
-def piecewise_runners(work: Workload, backend: str, max_batch_size: int) -> Tuple[GraphRunner, GraphRunner]:
-    """The varlen model's runner (full decode graphs + piecewise keys) and a one-op piecewise runner."""
+def piecewise_runners(work: Workload, backend: str, max_batch_size: int
+                      ) -> Tuple[GraphRunner, Dict[str, GraphRunner]]:
+    """The varlen model's runner (full decode graphs + piecewise keys) and one-op piecewise runners:
+    ``runner`` (value checks: the default) and ``runner_metadata_only`` (``check_values=False``)."""
     kwargs = graph_runner_kwargs(work.backend, work.pools)
     runner = GraphRunner(work.model, max_batch_size=max_batch_size, device=work.device, backend=backend,
                          modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED), progress=False,
                          splitting_ops=[VARLEN_OP], piecewise_sizes=PIECEWISE_SIZES, **kwargs)
-    one_op = GraphRunner(one_op_piecewise_model, max_batch_size=1, capture_sizes=[1], device=work.device,
-                         backend=backend, progress=False, splitting_ops=[copy_rows], piecewise_sizes=PIECEWISE_SIZES,
-                         pad_values=kwargs["pad_values"])
-    for each in (runner, one_op):
-        report = each.capture()
-        if report.failed:
-            raise SystemExit(f"piecewise capture failed, nothing to benchmark:\n{report}")
+    report = runner.capture()
+    if report.failed:
+        raise SystemExit(f"piecewise capture failed, nothing to benchmark:\n{report}")
+    one_op = one_op_runners(one_op_piecewise_model, CHECK_VARIANTS, max_batch_size=1, capture_sizes=[1],
+                            device=work.device, backend=backend, splitting_ops=[copy_rows],
+                            piecewise_sizes=PIECEWISE_SIZES, pad_values=kwargs["pad_values"])
     return runner, one_op
 
 
@@ -107,19 +107,17 @@ def mixed_batch(work: Workload, num_tokens: int, rng: random.Random) -> Tuple[Fo
     return batch, [(req, prefix + count) for req, prefix, count in zip(reqs, prefixes, chunks)]
 
 
-def measure_piecewise(work: Workload, runner: GraphRunner, one_op: GraphRunner, clock: Clock, token_counts: Sequence[int],
-                      iters: int, warmup: int, rng: random.Random, tolerance: float) -> List[PiecewiseResult]:
-    """For each token count: check piecewise against eager, then time eager, piecewise and raw replay,
-    and the one-op piecewise runner against its raw replay (graphrt's own cost)."""
+def measure_piecewise(work: Workload, runner: GraphRunner, one_op: Dict[str, GraphRunner], clock: Clock,
+                      token_counts: Sequence[int], iters: int, warmup: int, floor_iters: int, rng: random.Random,
+                      tolerance: float) -> List[PiecewiseResult]:
+    """For each token count: check piecewise against eager, time eager, piecewise and raw replay in
+    their rounds, and the one-op piecewise runners against their raw replays in rounds of their
+    own (graphrt's own cost, ``floor_iters`` rounds)."""
     results = []
-    trivial = torch.zeros(1, device=work.device)
     for num_tokens in token_counts:
         batch, owned = mixed_batch(work, num_tokens, rng)
         try:
-            decision = runner.dispatcher.decide(batch)
-            if decision.reason is not None:
-                raise RuntimeError(f"{num_tokens} tokens would run eagerly: {decision.reason.value}")
-            entry = decision.entry
+            entry = graph_entry(runner, batch)
             padded = pad_forward_batch(batch, entry.key.num_tokens, batch.batch_size, runner.pad_values)
             expected_padded = run_eager(work.model, padded)[:num_tokens].clone()
             expected = run_eager(work.model, batch).clone()
@@ -127,33 +125,20 @@ def measure_piecewise(work: Workload, runner: GraphRunner, one_op: GraphRunner, 
             diff = float((actual - expected).abs().max())
             if not torch.allclose(actual, expected_padded, atol=tolerance, rtol=tolerance):
                 raise RuntimeError(f"piecewise step of {num_tokens} tokens differs from eager at the padded size")
-            bare = one_op_batch(batch)
-            one_op_entry = one_op.dispatcher.decide(bare).entry
-
-            def raw_replay(graph: Any = entry.graph) -> None:
-                with use_batch(batch):
-                    graph.replay()
-
+            floor = piecewise_floor(one_op, batch, clock, floor_iters, warmup)
             probes = [("eager", lambda: run_eager(work.model, batch)), ("piecewise", lambda: runner(batch)),
-                      ("raw_replay", raw_replay), ("one_op_piecewise", lambda: one_op(bare)),
-                      ("one_op_raw_replay", one_op_entry.graph.replay), ("trivial", lambda: trivial.add_(1))]
+                      ("raw_replay", raw_replay(entry, batch))]
             _, samples = time_rounds(clock, probes, iters, warmup)
         finally:
             for req, length in owned:
                 work.pools.release(req, length)
-        samples["one_op_overhead"] = [a - b for a, b in zip(samples["one_op_piecewise"], samples["one_op_raw_replay"])]
         times = {name: Spread.of(values) for name, values in samples.items()}
         results.append(PiecewiseResult(
             num_tokens, batch.batch_size, batch.forward_mode.name, entry.key.num_tokens, entry.graph.piece_count,
             bool(torch.equal(actual, expected_padded)), diff, times, times["eager"].median / times["piecewise"].median,
-            times["one_op_overhead"].scaled(1.0 / times["trivial"].median),
+            floor,
         ))
     return results
-
-
-def one_op_batch(batch: ForwardBatch) -> ForwardBatch:
-    """``batch`` without the cache context (the one-op model has none)."""
-    return dataclasses.replace(batch, **{name: None for name in CONTEXT_FIELDS})
 
 
 def chunked_prefill_trace(work: Workload, runner: GraphRunner, requests: int, new_tokens: int, token_budget: int,
@@ -228,10 +213,10 @@ def format_piecewise(section: Dict[str, Any]) -> List[str]:
             f"{times['piecewise']['median']:,.0f} ({step['speedup']:.2f}x), raw replay "
             f"{times['raw_replay']['median']:,.0f}; bitwise equal to padded eager: {step['bitwise_equal_padded_eager']}, "
             f"max |diff| vs unpadded eager {step['max_abs_diff_unpadded']:.1e}")
-        lines.append(
-            f"      graphrt's own cost per piecewise step (one op between two splits, 3 pieces, runner - raw replay): "
-            f"{times['one_op_overhead']['median']:.1f} us = {step['one_op_overhead_trivial_ops']['median']:.1f} "
-            f"trivial ops")
+        lines.append("      graphrt's own cost per piecewise step (one-op model: one op between two splits, 3 pieces; "
+                     "runner - raw replay, rounds of their own):")
+        lines += [f"        {label}: {format_figure(step['floor']['costs'][name], TARGETS['piecewise'])}"
+                  for name, label in LABELS.items()]
     for trace in section["traces"]:
         shares = ", ".join(f"{path} {share:.0%}" for path, share in trace["shares"].items())
         lines.append(f"chunked-prefill trace, at most {trace['token_budget']} tokens/step ({trace['steps']} steps, "

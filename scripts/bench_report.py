@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
-from bench_lib import BatchResult, Spread
+from bench_floor import LABELS, TARGETS, format_cost, format_stability, format_wrap
+from bench_load import format_load
+from bench_timing import verdict
 
-OVERHEAD_TARGET = 10.0  # trivial eager ops per runner call (DESIGN.md)
 BACKEND_NOTES = {
     "emulated": (
         "EMULATED backend (no CUDA graphs on this machine): a replay runs the aten ops recorded at capture "
@@ -41,7 +43,7 @@ def cpu_model() -> str:
 
 
 def machine_info(device: torch.device) -> Dict[str, Any]:
-    """Where the figures were taken: device, CPU, core count, versions, load average."""
+    """Where the figures were taken: device, CPU, core count, versions (the load: bench_load)."""
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
@@ -52,7 +54,6 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "load_average_start": list(os.getloadavg()),
     }
 
 
@@ -60,8 +61,13 @@ def _us(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
 
 
-def _spread(spread: Spread) -> str:
-    return f"{_us(spread.median)} [{_us(spread.p10)}-{_us(spread.p90)}]"
+def _spread(spread: Mapping[str, float]) -> str:
+    return f"{_us(spread['median'])} [{_us(spread['p10'])}-{_us(spread['p90'])}]"
+
+
+def _cost_us(cost: Mapping[str, Any]) -> str:
+    """A cost in µs, ``median [p10-p90]``, or "below noise" (bench_timing.Cost's rule)."""
+    return _spread(cost["us"]) if cost["above_noise"] else "below noise"
 
 
 def _table(header: Sequence[str], rows: List[Sequence[str]]) -> List[str]:
@@ -72,57 +78,37 @@ def _table(header: Sequence[str], rows: List[Sequence[str]]) -> List[str]:
     return lines
 
 
-def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
-    """The terminal report: header, latency table, overhead table, throughput and capture lines."""
-    machine, model, capture = doc["machine"], doc["model"], doc["capture"]
+def format_report(doc: Dict[str, Any]) -> str:
+    """The terminal report: header and load, latency table, graphrt's own cost at the floor, the
+    reference model's overhead in parts, wrap()'s floor, throughput and capture lines."""
+    machine, model = doc["machine"], doc["model"]
     config = model["config"]
     lines = [
         f"graphrt decode benchmark | backend: {doc['backend'].upper()} | device: {machine['device_name']} "
         f"({machine['cpu_cores']} CPU cores) | torch {machine['torch']}",
         f"NOTE: {doc['backend_note']}.",
+        *format_load(doc["load"]),
         f"model {model['preset']}: {config['num_layers']} layers, hidden {config['hidden_size']}, "
         f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}, "
         f"context {config['max_context_len']}, {config['dtype']}, {model['parameters'] / 1e6:.1f}M parameters",
-        f"trivial eager op (x.add_(1), one element): {_spread(Spread(**doc['trivial_op_us']))} us; "
+        f"trivial eager op (x.add_(1), one element): {_spread(doc['trivial_op_us'])} us; "
         f"graph logits checked against eager at the padded size: {'ok' if doc['verified'] else 'FAILED'}",
         "",
         "latency per decode step, us: median [p10-p90]",
     ]
-    columns = [(name, title) for name, title in LATENCY_COLUMNS if any(name in r.times_us for r in results)]
+    batches = doc["batches"]
+    columns = [(name, title) for name, title in LATENCY_COLUMNS if any(name in b["times_us"] for b in batches)]
     rows = [
-        [str(r.batch_size), str(r.padded_size),
-         *(_spread(r.times_us[name]) if name in r.times_us else "-" for name, _ in columns),
-         f"{r.graph_speedup:.2f}x", f"{r.replay_speedup:.2f}x"]
-        for r in results
+        [str(b["batch_size"]), str(b["padded_size"]),
+         *(_spread(b["times_us"][name]) if name in b["times_us"] else "-" for name, _ in columns),
+         f"{b['graph_speedup']:.2f}x", f"{b['replay_speedup']:.2f}x"]
+        for b in batches
     ]
     lines += _table(["bs", "padded", *(title for _, title in columns), "eager/graph", "eager/raw replay"], rows)
-    lines += ["", f"graphrt's own cost per call: a runner of a one-op model (runner - raw replay, paired samples), "
-                  f"target <= {OVERHEAD_TARGET:g} trivial ops"]
-    rows = [
-        [str(r.batch_size), _us(r.times_us["trivial"].median), _spread(r.times_us["one_op_overhead"]),
-         _spread(r.one_op_overhead_trivial_ops), "yes" if r.one_op_overhead_trivial_ops.median <= OVERHEAD_TARGET else "NO",
-         _spread(r.times_us["debug_cost"]) if "debug_cost" in r.times_us else "-"]
-        for r in results
-    ]
-    lines += _table(["bs", "trivial op us", "overhead us", "/ trivial", "<= target", "debug mode: + us"], rows)
-    lines += ["", "the reference model's runner - raw replay, in parts, us (medians; the target does not apply: "
-                  "the attention hook is work eager steps do too)"]
-    rows = [
-        [str(r.batch_size), _spread(r.times_us["overhead"]), _us(r.times_us["validate"].median),
-         _us(r.times_us["hook"].median), _us(r.times_us["one_op_overhead"].median),
-         _us(r.times_us["overhead"].median - r.times_us["validate"].median - r.times_us["hook"].median
-             - r.times_us["one_op_overhead"].median)]
-        for r in results
-    ]
-    lines += _table(["bs", "runner - raw replay", "validate", "attn hook", "graphrt (one-op figure)", "rest"], rows)
-    lines += [
-        "validate: batch.validate() alone (on CPU it also reads index values; on GPU metadata only)",
-        "attn hook: the attention backend's init_forward_metadata_replay alone (the attention metadata refresh)",
-        "graphrt: lookup, staging, replay call and cut, as measured on the one-op model above",
-        "rest: what is left: wider staging copies and cache effects of a real model's larger tensors",
-        "debug mode: extra cost per call of the one-op runner with debug=True (stale-output guard)",
-    ]
-    throughput = doc["throughput"]
+    lines += format_runner_floor(batches, machine["device"])
+    lines += format_parts(batches)
+    lines += format_wrap(doc["floor"]["wrap"])
+    throughput, capture = doc["throughput"], doc["capture"]
     lines += [
         "",
         f"generate_greedy, {throughput['prompts']} prompts x {throughput['new_tokens']} new tokens (prefill eager "
@@ -138,13 +124,74 @@ def format_report(doc: Dict[str, Any], results: Sequence[BatchResult]) -> str:
     return "\n".join(lines)
 
 
+def format_runner_floor(batches: Sequence[Mapping[str, Any]], device: str) -> List[str]:
+    """The GraphRunner one-op table: with value checks and metadata only, validate() alone, debug mode
+    (``device``: where the batches live; off the CPU the default reads no values)."""
+    target = TARGETS["runner"]
+    lines = ["", "graphrt's own cost per GraphRunner call: a runner of a one-op model (runner - raw replay of the "
+                 "same graph, paired samples, rounds of their own), trivial ops median [p10-p90], "
+                 f"target <= {target:g}"]
+    rows = []
+    for b in batches:
+        floor = b["floor"]
+        costs = floor["costs"]
+        row = [str(b["batch_size"]), _us(floor["times_us"]["trivial"]["median"])]
+        for name in LABELS:
+            row += [format_cost(costs[name]), format_stability(costs[name]), verdict(costs[name], target)]
+        row += [f"{format_cost(costs['validate'])} / {format_cost(costs['validate_metadata_only'])}",
+                format_cost(costs["debug"], "us")]
+        rows.append(row)
+    header = ["bs", "trivial op us"]
+    for title in ("value checks", "metadata only"):
+        header += [title, "p90/p10", f"<= {target:g}"]
+    lines += _table([*header, "validate(): values / metadata only", "debug: + us"], rows)
+    lines += [
+        f"value checks: {LABELS['runner']}: GraphRunner's default; on CPU validate() also reads the index values of "
+        "the batch's host tensors" + ("" if device == "cpu" else
+                                      f" (on {device} the default checks metadata only: both columns check the same)"),
+        f"metadata only: {LABELS['runner_metadata_only']}: GraphRunner(check_values=False), validate() checks "
+        "metadata only: the figure a GPU user pays",
+        "validate(): batch.validate() alone, with and without the value checks, same rounds (part of the runner's "
+        "figure), trivial ops",
+        "debug: extra cost per call of the same one-op runner with debug=True (stale-output guard)",
+        "p90/p10: how still the figure holds over the rounds; below noise: the paired differences do not rise above "
+        "the noise (bench_timing.Cost)",
+    ]
+    return lines
+
+
+def format_parts(batches: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The reference model's runner - raw replay, in parts (µs)."""
+    lines = ["", "the reference model's runner - raw replay, in parts, us (the target does not apply: the attention "
+                 "hook is work eager steps do too)"]
+    rows = [
+        [str(b["batch_size"]), _cost_us(b["costs"]["overhead"]), _us(b["times_us"]["hook"]["median"]),
+         _us(b["floor"]["costs"]["runner"]["us"]["median"]), _cost_us(b["costs"]["rest"])]
+        for b in batches
+    ]
+    lines += _table(["bs", "runner - raw replay", "attn hook", "graphrt (one-op figure)", "rest"], rows)
+    lines += [
+        "attn hook: the attention backend's init_forward_metadata_replay alone (the attention metadata refresh)",
+        "graphrt: validate, lookup, staging, replay call and cut, as measured on the one-op model above "
+        "(value checks on)",
+        "rest: runner - raw replay - attn hook - graphrt, round by round: wider staging copies and cache effects of "
+        "a real model's larger tensors",
+    ]
+    return lines
+
+
 def write_json(doc: Dict[str, Any], path: Path) -> None:
     """Write ``doc`` as indented JSON (dtypes, devices and paths as strings)."""
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
 
 
-def plot_latency(doc: Dict[str, Any], results: Sequence[BatchResult], path: Path) -> Optional[str]:
-    """Latency and overhead against batch size as a PNG; returns why not when matplotlib is missing."""
+BAND_ALPHA = 0.12  # p10-p90 bands: light, under the median curves
+
+
+def plot_latency(doc: Dict[str, Any], path: Path) -> Optional[str]:
+    """Three panels against batch size as a PNG: latency; graphrt's own cost per GraphRunner call
+    (one-op model, both validate modes, the target); the reference model's runner - raw replay in
+    parts. Returns why not when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -152,42 +199,97 @@ def plot_latency(doc: Dict[str, Any], results: Sequence[BatchResult], path: Path
         import matplotlib.pyplot as plt
     except ImportError as error:
         return f"matplotlib is not installed ({error})"
-    sizes = [r.batch_size for r in results]
-    figure, (latency_ax, overhead_ax, model_ax) = plt.subplots(1, 3, figsize=(15, 4))
-    for name, title in LATENCY_COLUMNS:
-        points = [(r.batch_size, r.times_us[name]) for r in results if name in r.times_us]
-        if not points:
-            continue
-        xs, spreads = zip(*points)
-        latency_ax.plot(xs, [s.median for s in spreads], marker="o", label=title)
-        latency_ax.fill_between(xs, [s.p10 for s in spreads], [s.p90 for s in spreads], alpha=0.2)
-    latency_ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per decode step",
-                   title="latency (median, p10-p90 band)")
-    latency_ax.legend()
-    # graphrt's own cost (a one-op model) leads; the reference model's figure carries its step's
-    # noise (the step is 100x the overhead), so it gets its own panel and scale.
-    for axis, label, ratios, title in (
-        (overhead_ax, "runner - raw replay", [r.one_op_overhead_trivial_ops for r in results],
-         "graphrt's own cost per call (one-op model)"),
-        (model_ax, "runner - raw replay", [r.overhead_trivial_ops for r in results],
-         "same on the reference model (model noise)"),
-    ):
-        axis.plot(sizes, [s.median for s in ratios], marker="o", label=label)
-        axis.fill_between(sizes, [s.p10 for s in ratios], [s.p90 for s in ratios], alpha=0.2)
-        axis.axhline(OVERHEAD_TARGET, color="red", linestyle="--", label=f"target {OVERHEAD_TARGET:g}")
-        medians = [s.median for s in ratios]
-        axis.set(xscale="log", xlabel="batch size", ylabel="trivial eager ops", title=title,
-                 ylim=(1.2 * min(0.0, *medians), 1.5 * max(2 * OVERHEAD_TARGET, *medians)))
-    validate = [r.times_us["validate"].median / r.times_us["trivial"].median for r in results]
-    model_ax.plot(sizes, validate, marker=".", linestyle=":", label="of which validate()")
-    overhead_ax.legend()
-    model_ax.legend()
-    for axis in (latency_ax, overhead_ax, model_ax):
+    batches = doc["batches"]
+    figure, axes = plt.subplots(1, 3, figsize=(16, 5))
+    plot_latency_panel(axes[0], batches)
+    plot_floor_panel(axes[1], batches)
+    plot_parts_panel(axes[2], batches)
+    sizes = [b["batch_size"] for b in batches]
+    for axis in axes:
+        axis.set_xscale("log")
         axis.set_xticks(sizes, [str(size) for size in sizes])
-        axis.minorticks_off()
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        axis.set_xlabel("batch size")
+        axis.grid(True, which="major", alpha=0.3)
+        axis.legend(fontsize=8, framealpha=0.85)
+    busy = " | MACHINE BUSY: figures unreliable" if doc["load"]["busy"] else ""
     figure.suptitle(f"graphrt, {doc['model']['preset']} model on {doc['machine']['device_name']}, "
-                    f"backend {doc['backend']}", fontsize=10)
+                    f"backend {doc['backend']}; medians, bands p10-p90{busy}", fontsize=11,
+                    color="red" if busy else "black")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=90)
     plt.close(figure)
     return None
+
+
+def _curve(axis: Any, xs: Sequence[int], spreads: Sequence[Mapping[str, float]], label: str,
+           solid: Optional[Sequence[bool]] = None, **style: Any) -> bool:
+    """A median curve over a light p10-p90 band. Where ``solid`` is False (a cost below noise) the
+    curve and its band break and an x sits on the zero line: no median below noise is drawn as a
+    cost, and no band of noise covers the figures that mean something. Returns whether any point
+    was below noise."""
+    solid = [True] * len(xs) if solid is None else list(solid)
+    medians = [s["median"] if keep else math.nan for s, keep in zip(spreads, solid)]
+    line, = axis.plot(xs, medians, marker="o", label=label, zorder=3, **style)
+    axis.fill_between(xs, [s["p10"] for s in spreads], [s["p90"] for s in spreads], where=solid,
+                      color=line.get_color(), alpha=BAND_ALPHA, linewidth=0, zorder=1)
+    noisy = [x for x, keep in zip(xs, solid) if not keep]
+    if noisy:
+        axis.plot(noisy, [0.0] * len(noisy), linestyle="none", marker="x", markersize=9, markeredgewidth=2,
+                  color=line.get_color(), zorder=4, clip_on=False)
+    return bool(noisy)
+
+
+def _noise_legend(axis: Any) -> None:
+    """One legend entry for the x marks of costs below noise."""
+    axis.plot([], [], linestyle="none", marker="x", color="grey", markeredgewidth=2, label="x on 0: below noise")
+
+
+def plot_latency_panel(axis: Any, batches: Sequence[Mapping[str, Any]]) -> None:
+    """Latency per decode step, log-log, every tick labelled in µs."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    for name, title in LATENCY_COLUMNS:
+        points = [(b["batch_size"], b["times_us"][name]) for b in batches if name in b["times_us"]]
+        if points:
+            xs, spreads = zip(*points)
+            _curve(axis, xs, spreads, title)
+    axis.set_yscale("log")
+    axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.yaxis.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}" if value >= 1 else f"{value:g}"))
+    axis.yaxis.set_minor_formatter(FuncFormatter(lambda *_: ""))
+    axis.set_ylabel("us per decode step (log scale)")
+    axis.set_title("latency per decode step", fontsize=11)
+
+
+def plot_floor_panel(axis: Any, batches: Sequence[Mapping[str, Any]]) -> None:
+    """graphrt's own cost per GraphRunner call in trivial ops, with and without value checks, and the target."""
+    sizes = [b["batch_size"] for b in batches]
+    medians, noisy = [0.0], False
+    for name, label in LABELS.items():
+        costs = [b["floor"]["costs"][name] for b in batches]
+        noisy |= _curve(axis, sizes, [c["trivial_ops"] for c in costs], label, [c["above_noise"] for c in costs])
+        medians += [c["trivial_ops"]["median"] for c in costs]
+    target = TARGETS["runner"]
+    axis.axhline(target, color="red", linestyle="--", label=f"target {target:g}")
+    if noisy:
+        _noise_legend(axis)
+    axis.set_ylim(0, 1.4 * max(2 * target, *medians))
+    axis.set_ylabel("trivial eager ops per call")
+    axis.set_title("graphrt's own cost per GraphRunner call\n(one-op model: runner - raw replay)", fontsize=11)
+
+
+def plot_parts_panel(axis: Any, batches: Sequence[Mapping[str, Any]]) -> None:
+    """The reference model's runner - raw replay and its parts, µs (no target: model noise included)."""
+    sizes = [b["batch_size"] for b in batches]
+    overhead = [b["costs"]["overhead"] for b in batches]
+    if _curve(axis, sizes, [c["us"] for c in overhead], "runner - raw replay", [c["above_noise"] for c in overhead]):
+        _noise_legend(axis)
+    axis.plot(sizes, [b["times_us"]["hook"]["median"] for b in batches], marker=".", linestyle=":",
+              label="of which attention hook")
+    axis.plot(sizes, [b["floor"]["costs"]["runner"]["us"]["median"] for b in batches], marker=".", linestyle=":",
+              label="of which graphrt (one-op figure)")
+    axis.set_ylim(0, 1.4 * max(c["us"]["median"] for c in overhead + [{"us": {"median": 1.0}}]))
+    axis.set_ylabel("us per call")
+    axis.set_title("the reference model's runner - raw replay\n(model noise included; no target)", fontsize=11)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 import torch
-from bench_lib import Clock, Spread, Workload, time_rounds
+from bench_lib import Workload
+from bench_timing import Clock, Spread, time_rounds
 
 from graphrt import GraphRunner
 from graphrt.reference import run_eager

@@ -1,4 +1,5 @@
-"""scripts/bench.py end to end with tiny settings: JSON fields, emulated label, verification gate."""
+"""scripts/bench.py end to end with tiny settings: JSON fields, emulated label, verification gate;
+the noise rule for costs and the busy-machine verdict on made-up samples."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-TIMED = ("eager", "graph", "replay", "overhead", "validate", "hook", "one_op_overhead", "trivial")
+TIMED = ("eager", "graph", "replay", "hook", "trivial")
+# graphrt's own cost at the floor, per decode batch size: GraphRunner one-op with and without value checks,
+# debug mode, validate() alone each way
+FLOOR_COSTS = {"runner", "runner_metadata_only", "debug", "validate", "validate_metadata_only"}
+TARGETS = {"runner": 6, "runner_metadata_only": 6, "wrap": 3, "piecewise": 9, "piecewise_metadata_only": 9}
+WRAP_COSTS = {"1 layout", "4 layouts, the same one called", "2 layouts called in turn (per call)"}
 
 
 @pytest.fixture
@@ -25,11 +31,14 @@ def bench(monkeypatch):
 
 def run_bench(bench, out: Path, *flags: str) -> dict:
     """Tiny settings; generate()'s torch.compile peer (~10 s on CPU) is left out (--no-compile)."""
-    assert bench.main(["--model", "tiny", "--batch-sizes", "1,3", "--iters", "3", "--quick", "--no-compile",
-                       "--out", str(out), *flags]) == 0
+    assert bench.main(["--model", "tiny", "--batch-sizes", "1,3", "--iters", "3", "--floor-iters", "3", "--quick",
+                       "--no-compile", "--out", str(out), *flags]) == 0
     paths = list(out.glob("bench_*_tiny.json"))
     assert len(paths) == 1
-    return json.loads(paths[0].read_text())
+    def strict(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON: not valid JSON for other readers")
+
+    return json.loads(paths[0].read_text(), parse_constant=strict)
 
 
 def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
@@ -45,7 +54,7 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     assert machine["torch"] == torch.__version__ and machine["device_name"] and machine["cpu_cores"] >= 1
     model = doc["model"]
     assert model["preset"] == "tiny" and model["parameters"] > 0 and model["config"]["num_layers"] == 2
-    assert doc["trivial_op_us"]["median"] > 0 and doc["overhead_target_trivial_ops"] == 10
+    assert doc["trivial_op_us"]["median"] > 0
     assert [b["batch_size"] for b in doc["batches"]] == [1, 3]
     for batch in doc["batches"]:
         assert batch["verification"]["ok"] is True
@@ -54,10 +63,16 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
             spread = batch["times_us"][name]
             assert all(math.isfinite(spread[key]) for key in ("median", "p10", "p90"))
         assert spread["median"] > 0  # the trivial op
-        assert math.isfinite(batch["overhead_trivial_ops"]["median"])
-        assert math.isfinite(batch["one_op_overhead_trivial_ops"]["median"])
+        assert set(batch["costs"]) == {"overhead", "rest"}
+        check_costs(batch["costs"].values())
+        floor = batch["floor"]
+        assert set(floor["costs"]) == FLOOR_COSTS
+        check_costs(floor["costs"].values())
+        assert {"runner", "runner_replay", "runner_metadata_only", "runner_metadata_only_replay", "validate",
+                "validate_metadata_only", "trivial"} <= set(floor["times_us"])
         assert batch["replay_speedup"] == pytest.approx(
             batch["times_us"]["eager"]["median"] / batch["times_us"]["replay"]["median"])
+    check_floor_and_load(doc, printed)
     capture = doc["capture"]
     assert capture["keys"] >= 2 and capture["seconds"] > 0 and not capture["failed"]
     assert capture["pool_bytes"] > 0 and "output bytes" in capture["pool_bytes_label"]
@@ -69,14 +84,14 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     for result in doc["ubatch"]:  # sizes above the largest batch size replay as micro-batches
         assert result["batch_size"] > 3 and result["eager_runs_per_call"] == 0 and sum(result["pieces"].values()) >= 2
         assert result["max_abs_diff"] <= 1e-4
-    assert all("debug_cost" in batch["times_us"] for batch in doc["batches"])
     piecewise = doc["piecewise"]
     assert piecewise["sizes"] == [16, 32, 64, 128] and [s["num_tokens"] for s in piecewise["steps"]] == [12, 40]
     for step in piecewise["steps"]:  # varlen attention between 3 pieces, equal to eager at the padded size
         assert step["pieces"] == 3 and step["bitwise_equal_padded_eager"] is True and step["mode"] == "MIXED"
         assert step["padded_size"] == min(size for size in piecewise["sizes"] if size >= step["num_tokens"])
         assert all(math.isfinite(step["times_us"][name]["median"]) for name in ("eager", "piecewise", "raw_replay"))
-        assert math.isfinite(step["one_op_overhead_trivial_ops"]["median"])
+        assert set(step["floor"]["costs"]) == {"runner", "runner_metadata_only"}
+        check_costs(step["floor"]["costs"].values())
     within, above = piecewise["traces"]  # budget = the largest piecewise size, then twice it
     assert (within["token_budget"], above["token_budget"]) == (128, 256)
     for trace in (within, above):
@@ -94,6 +109,81 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
         check_hf_section(doc["hf_generate"], printed)
 
 
+def check_costs(costs) -> None:
+    """Every cost has its spreads in µs and trivial ops, and says whether it rises above noise."""
+    for cost in costs:
+        assert isinstance(cost["above_noise"], bool)
+        for unit in ("us", "trivial_ops"):
+            assert all(math.isfinite(cost[unit][key]) for key in ("median", "p10", "p90"))
+
+
+def check_floor_and_load(doc: dict, printed: str) -> None:
+    """The floor figures against their targets, wrap()'s floor, and the load at start and end."""
+    floor = doc["floor"]
+    assert set(floor["wrap"]["costs"]) == WRAP_COSTS
+    check_costs(floor["wrap"]["costs"].values())
+    targets = floor["targets"]
+    assert {name: summary["target"] for name, summary in targets.items()} == TARGETS
+    assert len(targets["runner"]["medians"]) == len(targets["runner_metadata_only"]["medians"]) == 2  # batch sizes
+    for summary in targets.values():
+        assert summary["within_target"] == all(each == "yes" for each in summary["verdicts"])
+        assert set(summary["verdicts"]) <= {"yes", "NO", "unclear"}
+    for label in ("with value checks (CPU default)", "metadata only (as on a GPU)", "validate() alone",
+                  "wrap(): a one-op function", "against the targets"):
+        assert label in printed
+    load = doc["load"]
+    assert load["cores"] == doc["machine"]["cpu_cores"] and len(load["start"]["load_average"]) == 3
+    assert len(load["end"]["load_average"]) == 3 and load["seconds"] > 0
+    assert load["busy"] == any(value > load["busy_threshold"] for value in load["readings"].values())
+    assert (load["warning"] is not None) == load["busy"]
+    assert printed.count("load average at the start") == 3  # at the start, in the report's header, at the end
+    assert "load average at the end" in printed
+    assert ("WARNING: machine BUSY" in printed) == load["busy"]
+
+
+def test_a_cost_below_noise_is_never_printed_as_a_cost(monkeypatch):
+    """Paired differences that straddle zero (or sit below zero) print as "below noise"; a clear
+    cost prints its median and is judged against the target."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    timing = importlib.import_module("bench_timing")
+    floor = importlib.import_module("bench_floor")
+    trivial = [2.0, 2.0, 2.1, 2.0, 2.0, 2.1, 2.0, 2.0, 2.0, 2.0]
+    negative = timing.Cost.of([-3.0, -2.5, -4.0, -3.2, -2.8, -3.1, -2.9, -3.3, -3.0, -2.7], trivial)
+    straddling = timing.Cost.of([20.0, -15.0, 25.0, -18.0, 30.0, 22.0, -20.0, 24.0, 26.0, 19.0], trivial)
+    clear = timing.Cost.of([18.0, 18.5, 19.0, 18.2, 18.8, 18.4, 18.6, 18.1, 18.9, 18.3], trivial)
+    for cost in (negative, straddling):
+        assert cost.above_noise is False
+        assert floor.format_cost(dataclasses.asdict(cost)) == "below noise"
+    assert timing.verdict(dataclasses.asdict(negative), 6.0) == "yes"  # its whole band is within the target
+    assert timing.verdict(dataclasses.asdict(straddling), 6.0) == "unclear"
+    tiny = timing.Cost.of([0.05] * 10, trivial)  # always positive, but below the trivial op's own spread
+    assert tiny.above_noise is False and floor.format_cost(dataclasses.asdict(tiny)) == "below noise"
+    assert clear.above_noise is True and clear.trivial_ops.median == pytest.approx(9.1, abs=0.1)
+    assert floor.format_cost(dataclasses.asdict(clear)).startswith(f"{clear.trivial_ops.median:.1f} [")
+    assert timing.verdict(dataclasses.asdict(clear), 6.0) == "NO"
+    assert timing.verdict(dataclasses.asdict(clear), 10.0) == "yes"
+    assert timing.stability(dataclasses.asdict(clear)) < 1.1
+
+
+def test_busy_machine_is_flagged(monkeypatch):
+    """A 1-minute load above half the cores at the start, or other processes' CPU time over the
+    run above half the cores, makes the run busy with a WARNING; an idle reading does not."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    load = importlib.import_module("bench_load")
+
+    def sample(wall_s, load1, busy_cpu_s, own_cpu_s):
+        return load.LoadSample(wall_s, (load1, load1, load1), 4, busy_cpu_s, own_cpu_s)
+
+    idle = load.load_verdict(sample(0.0, 0.3, 100.0, 1.0), sample(60.0, 1.0, 162.0, 61.0))  # the bench's own core
+    assert idle["busy"] is False and idle["warning"] is None
+    assert idle["readings"]["cores other processes used during the run"] == pytest.approx(0.0333, abs=1e-3)
+    busy_start = load.load_verdict(sample(0.0, 2.5, None, 0.0))
+    assert busy_start["busy"] is True and "WARNING: machine BUSY" in busy_start["warning"]
+    others = load.load_verdict(sample(0.0, 0.3, 100.0, 1.0), sample(60.0, 1.0, 100.0 + 60 + 150, 61.0))
+    assert others["busy"] is True and "other processes used during the run 2.50" in others["warning"]
+    assert any(line.startswith("WARNING") for line in load.format_load(others))
+
+
 def check_hf_section(hf: dict, printed: str) -> None:
     eager, graphed, compiled = hf["peers"]
     assert eager["name"] == "eager" and eager["replayed_calls"] == 0 and eager["decode_step_ms"]["median"] > 0
@@ -101,9 +191,6 @@ def check_hf_section(hf: dict, printed: str) -> None:
     # 3 generate() calls: only the first call's prefill and first decode step run eagerly (warm-up)
     assert graphed["replayed_calls"] == graphed["forward_calls"] - 2 > 0
     assert compiled["error"] == "skipped (--no-compile)"
-    costs = hf["wrap_overhead_trivial_ops"]
-    assert set(costs) == {"1 layout", "4 layouts, the same one called", "2 layouts called in turn (per call)"}
-    assert all(math.isfinite(spread["median"]) for spread in costs.values())
     assert "Hugging Face generate()" in printed and "neither column is a CUDA-graph effect" in printed
 
 
@@ -137,19 +224,22 @@ def test_graph_that_disagrees_with_eager_is_not_timed(bench, monkeypatch):
     from graphrt import GraphRunner
     from graphrt.reference import graph_runner_kwargs
 
+    import bench_timing
+
     config = bench_lib.model_config("tiny", torch.float32, {})
     work = bench_lib.Workload.build(config, 2, torch.device("cpu"))
-    kwargs = graph_runner_kwargs(work.backend, work.pools)
-    runner = GraphRunner(work.model, max_batch_size=2, progress=False, **kwargs)
-    one_op = GraphRunner(bench_lib.one_op_model, max_batch_size=2, progress=False, pad_values=kwargs["pad_values"])
+    runner = GraphRunner(work.model, max_batch_size=2, progress=False, **graph_runner_kwargs(work.backend, work.pools))
     runner.capture()
-    one_op.capture()
     eager = bench_lib.run_eager
     monkeypatch.setattr(bench_lib, "run_eager", lambda model, batch: eager(model, batch) + 1.0)
-    clock = bench_lib.Clock(torch.device("cpu"), 1e-3)
+    clock = bench_timing.Clock(torch.device("cpu"), 1e-3)
+
+    def no_floor(batch):
+        raise AssertionError("timed a graph that disagrees with eager")
+
     with torch.no_grad(), work.decode_batch(1, random.Random(0)) as batch:
         with pytest.raises(RuntimeError, match="differ from eager"):
-            bench_lib.measure_batch(work, runner, one_op, batch, clock, iters=1, warmup=0)
+            bench_lib.measure_batch(work, runner, batch, clock, iters=1, warmup=0, floor_of=no_floor)
 
 
 def test_cuda_backend_refused_without_cuda(bench, tmp_path):
