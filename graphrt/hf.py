@@ -1,12 +1,14 @@
-"""graph_generate(): Hugging Face ``model.generate()`` replaying its decode steps, in one line.
+"""graph_generate(): Hugging Face ``model.generate()`` replaying its forward calls, in one line.
 
 ``graphrt.wrap(model.forward)`` alone already replays every decode step of a
 ``generate(..., cache_implementation="static")`` call after that call's warm-up and recording
 steps. But transformers (5.x) builds a new StaticCache on every ``generate()`` call, and the cache
 object is a constant of the call layout (compared by identity), so each call opens new layouts
 and records its graphs again. ``graph_generate`` wraps ``forward`` and hands ``generate()`` the
-same StaticCache again (reset in place) for the same batch size and cache length, so later calls
-replay from their first decode step.
+same cache again (reset in place) for the same batch size and cache length, so later calls
+replay from their first forward call. The caches it hands out are graph-safe: sliding-window
+layers, which keep a Python counter in transformers, are replaced by layers whose state is on
+the device (graphrt.hf_cache). Layer kinds it cannot graph are named up front.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ from graphrt.graphed_callable import GraphedCallable, wrap
 logger = logging.getLogger(__name__)
 
 MAX_POOLED_CACHES = 4  # StaticCaches kept for reuse; the least recently used is let go past it
+PROBE_CACHE_LENGTH = 8  # the length of the StaticCache built up front to list the model's layer kinds
+
+
+def graph_safe_cache(cache: Any) -> Any:
+    """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
+    which keep a Python counter, are replaced by layers whose state is on the device. Returns ``cache``."""
+    from graphrt.hf_cache.layer_kinds import make_graph_safe
+
+    return make_graph_safe(cache)
 
 
 class StaticCachePool:
     """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size
-    and length, reset in place, else a new one (kept for next time, up to ``max_caches``). A cache
-    that an earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call
-    of the same shape. Encoder-decoder caches (sized to the encoder output too) are not pooled."""
+    and length, reset in place, else a new one made graph-safe (kept for next time, up to
+    ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an earlier
+    ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape.
+    Encoder-decoder caches (sized to the encoder output too) are not pooled."""
 
     def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES) -> None:
         self.prepare = prepare
@@ -41,17 +53,40 @@ class StaticCachePool:
         cache = self.caches.get(key) if pooled else None
         if cache is not None:
             self.caches.move_to_end(key)
-            cache.reset()  # zeroes keys, values and the length counter in place: the graphs' tensors stay
+            cache.reset()  # zeroes keys, values and the length counters in place: the graphs' tensors stay
             self.reused += 1
             return cache
-        cache = self.prepare(cache_implementation=cache_implementation, batch_size=batch_size,
-                             max_cache_len=max_cache_len, prefill_chunk_size=prefill_chunk_size,
-                             model_kwargs=model_kwargs)
-        if pooled:
-            self.caches[key] = cache
-            if len(self.caches) > self.max_caches:
-                self.caches.popitem(last=False)
+        from graphrt.hf_cache.layer_kinds import layer_kinds
+
+        cache = graph_safe_cache(self.prepare(
+            cache_implementation=cache_implementation, batch_size=batch_size, max_cache_len=max_cache_len,
+            prefill_chunk_size=prefill_chunk_size, model_kwargs=model_kwargs))
+        if not pooled or layer_kinds(cache).unsupported:
+            return cache  # Python state that reset() puts back could take another path than the one recorded
+        self.caches[key] = cache
+        if len(self.caches) > self.max_caches:
+            self.caches.popitem(last=False)
         return cache
+
+
+def warn_unsupported_layers(model: Any) -> None:
+    """Log once, up front, the cache layer kinds of ``model`` that graphrt cannot graph (by class and layer)."""
+    try:
+        from transformers import StaticCache
+
+        from graphrt.hf_cache.layer_kinds import layer_kinds
+
+        kinds = layer_kinds(StaticCache(config=model.config.get_text_config(decoder=True),
+                                        max_cache_len=PROBE_CACHE_LENGTH))
+    except Exception as error:  # a model without a static cache: generate() will not use one either
+        logger.warning("graph_generate(): cannot list %s's static cache layers (%s: %s); generate() steps whose "
+                       "capture fails run eagerly", type(model).__name__, type(error).__name__, error)
+        return
+    if kinds.unsupported:
+        logger.warning("graph_generate(): %s's cache has layers graphrt cannot graph: %s. Their steps are recorded as "
+                       "they are (a step that changes their Python state fails capture, naming the layer, and runs "
+                       "eagerly), and generate() gets a new cache on every call", type(model).__name__,
+                       kinds.describe())
 
 
 def graph_generate(
@@ -61,15 +96,16 @@ def graph_generate(
     backend: str = "auto",
     **options: Any,
 ) -> GraphedCallable:
-    """Make ``model.generate()`` replay its decode steps: wrap ``model.forward``, default the
-    generation config to a static cache (and to no auto-compile), and reuse that cache across
-    ``generate()`` calls."""
+    """Make ``model.generate()`` replay its forward calls: wrap ``model.forward``, default the
+    generation config to a static cache (and to no auto-compile), and reuse that cache, made
+    graph-safe, across ``generate()`` calls. Returns the GraphedCallable (its ``stats()``)."""
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
     forward = model.forward
     if isinstance(forward, GraphedCallable):
         raise ValueError("model.forward: already wrapped by graphrt; call graph_generate once per model")
+    warn_unsupported_layers(model)
     fast = wrap(forward, max_batch_size, capture_sizes, backend, **options)
     model.forward = fast
     config = getattr(model, "generation_config", None)
@@ -87,4 +123,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["StaticCachePool", "graph_generate"]
+__all__ = ["StaticCachePool", "graph_generate", "graph_safe_cache"]

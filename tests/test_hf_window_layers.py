@@ -1,4 +1,4 @@
-"""graphrt.hf_cache: graph-safe sliding-window layers against transformers' own.
+"""graphrt.hf_cache: graph-safe sliding-window layers against transformers' own, layer kinds, the swap.
 
 The replacements must answer like transformers' StaticSlidingWindowLayer (mask offset, sequence
 length, keys and values at every position the mask shows) for any window and any sequence of
@@ -7,6 +7,8 @@ token counts; the comparison itself must catch a replacement that answers otherw
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,9 +16,15 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import WINDOW, tiny_model  # noqa: E402
+from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSlidingWindowLayer  # noqa: E402
+
 import graphrt  # noqa: E402
+from graphrt.hf import StaticCachePool, graph_generate, graph_safe_cache  # noqa: E402
+from graphrt.hf_cache import layer_kinds as kinds_module  # noqa: E402
+from graphrt.hf_cache.layer_kinds import layer_kinds  # noqa: E402
 from graphrt.hf_cache.window_layers import (  # noqa: E402
-    SlidingRingLayer, cache_long_mismatch, replacement_mismatch, ring_mismatch,
+    CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, replacement_mismatch, ring_mismatch,
 )
 
 
@@ -72,3 +80,64 @@ def test_a_host_read_of_the_ring_count_inside_a_recorded_step_fails_its_capture(
     assert fast.stats()["graph_runs"] == 0
     assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("HostSyncError: host sync in the captured step")
     assert int(ring.cumulative_length) == 3  # every call advanced the ring once
+
+
+def hybrid_cache(max_cache_len: int, window: int = WINDOW) -> transformers.StaticCache:
+    config = tiny_model("gemma3").config
+    config.sliding_window = window
+    return transformers.StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+def test_sliding_layers_become_a_ring_when_the_window_is_shorter_than_the_cache():
+    cache = graph_safe_cache(hybrid_cache(max_cache_len=16))
+    assert [type(layer) for layer in cache.layers] == [SlidingRingLayer, StaticLayer]
+    assert cache.layers[0].max_cache_len == WINDOW and cache.is_sliding == [True, False]
+    assert not layer_kinds(cache).unsupported
+
+
+def test_a_window_as_long_as_the_cache_never_slides():
+    cache = graph_safe_cache(hybrid_cache(max_cache_len=16, window=32))
+    assert [type(layer) for layer in cache.layers] == [CacheLongWindowLayer, StaticLayer]
+    all_sliding = transformers.StaticCache(config=tiny_model("mistral").config, max_cache_len=16)
+    assert {type(layer) for layer in graph_safe_cache(all_sliding).layers} == {SlidingRingLayer}, \
+        "no full-attention layer to run out of room first: a ring, which slides as transformers' layer would"
+
+
+def linear_attention_cache(*args, **kwargs) -> transformers.StaticCache:
+    """A StaticCache whose second layer is a kind graphrt does not know (linear attention)."""
+    config = tiny_model("llama").config
+    config.layer_types = ["full_attention", "linear_attention"]
+    return transformers.StaticCache(config=config, max_cache_len=8)
+
+
+def test_an_unknown_layer_kind_is_named_and_its_caches_are_not_reused():
+    kinds = layer_kinds(linear_attention_cache())
+    assert kinds.unsupported == {"LinearAttentionLayer": ["1"]}
+    assert "not a kind graphrt knows to replay" in kinds.describe()
+    pool = StaticCachePool(linear_attention_cache)
+    request = dict(cache_implementation="static", batch_size=2, max_cache_len=8, prefill_chunk_size=None,
+                   model_kwargs={})
+    assert pool(**request) is not pool(**request) and pool.reused == 0
+    assert isinstance(pool(**request).layers[1], LinearAttentionLayer)
+
+
+def test_graph_generate_names_unknown_layer_kinds_once_up_front(caplog):
+    model = tiny_model("llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with caplog.at_level(logging.WARNING, logger="graphrt.hf"):
+        graph_generate(model, max_batch_size=4)
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "LlamaForCausalLM's cache has layers graphrt cannot graph" in warnings[0]
+    assert "LinearAttentionLayer (layers 1)" in warnings[0]
+
+
+def test_a_replacement_that_stops_matching_transformers_is_not_used(monkeypatch, caplog):
+    """A transformers release that changes the sliding-window layer: graphrt keeps transformers' layer (its
+    capture then fails, named) and says so up front, rather than generating other tokens."""
+    monkeypatch.setattr(kinds_module, "window_mismatch", lambda: "update of 1 token(s) after 3: mask offset 1, ...")
+    cache = graph_safe_cache(hybrid_cache(max_cache_len=16))
+    assert type(cache.layers[0]) is StaticSlidingWindowLayer
+    assert "differs from graphrt's graph-safe replacement" in layer_kinds(cache).describe()
+    with caplog.at_level(logging.WARNING, logger="graphrt.hf"):
+        graph_generate(tiny_model("gemma3"), max_batch_size=4)
+    assert "StaticSlidingWindowLayer (layers 0): its behaviour here differs" in caplog.text

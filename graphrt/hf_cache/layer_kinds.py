@@ -1,0 +1,104 @@
+"""Which Hugging Face cache layers graphrt can replay, and the swap that makes a StaticCache graph-safe.
+
+A replayed step runs no Python, so a cache layer replays only if its ``update()`` keeps all its
+state in tensors written in place. The kinds graphrt knows, by exact class (a subclass may change
+anything):
+
+* ``StaticLayer``: the count and the keys/values are tensors written in place; replays as is.
+* ``DummyLayer``: holds nothing (shared-KV and attention-free layers).
+* ``StaticSlidingWindowLayer``: keeps a Python int it branches on; replaced by
+  ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf_cache.window_layers), as long as
+  those replacements answer like transformers' layer on a scripted sequence in this process.
+
+Any other kind is named in graph_generate()'s warning. Its steps are recorded as they are (a
+step that changes its Python state fails capture, naming the layer's class, and runs eagerly),
+and its caches are not reused across ``generate()`` calls: Python state that ``reset()`` puts
+back could send a reused cache's first steps down another path than the one recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
+
+from graphrt.hf_cache.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
+
+GRAPH_SAFE = (StaticLayer, DummyLayer, CacheLongWindowLayer, SlidingRingLayer)
+SUPPORTED_NAMES = "StaticLayer, DummyLayer, StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"
+
+
+@dataclass
+class LayerKinds:
+    """The layer classes of one cache that graphrt cannot graph: which layers, and why."""
+
+    unsupported: Dict[str, List[str]] = field(default_factory=dict)  # class name -> layers ("3", "cross 0")
+    reasons: Dict[str, str] = field(default_factory=dict)  # class name -> why it cannot be graphed
+
+    def describe(self) -> str:
+        """Per unsupported kind: its class, its layers, why."""
+        return "; ".join(f"{name} (layers {', '.join(layers)}): {self.reasons[name]}"
+                         for name, layers in self.unsupported.items())
+
+
+def cache_layers(cache: Any) -> List[Tuple[str, Any]]:
+    """(name, layer) of every layer of a transformers cache: an encoder-decoder cache's self-attention
+    layers by index, then its cross-attention layers as ``cross <index>``."""
+    self_attention = getattr(cache, "self_attention_cache", cache)
+    layers = [(str(index), layer) for index, layer in enumerate(getattr(self_attention, "layers", ()))]
+    cross = getattr(cache, "cross_attention_cache", None)
+    layers += [(f"cross {index}", layer) for index, layer in enumerate(getattr(cross, "layers", ()))]
+    return layers
+
+
+def window_mismatch() -> Optional[str]:
+    """Why StaticSlidingWindowLayer is not replaced in this process: where a replacement answered otherwise
+    than transformers' layer on the scripted sequence (both replacements are checked: the kind is
+    supported or not as a whole)."""
+    return ring_mismatch() or cache_long_mismatch()
+
+
+def layer_kinds(cache: Any) -> LayerKinds:
+    """The layers of ``cache`` that graphrt cannot graph (sliding-window layers count as supported
+    while their replacements check out)."""
+    kinds = LayerKinds()
+    for name, layer in cache_layers(cache):
+        kind = type(layer)
+        reason = None
+        if kind is StaticSlidingWindowLayer:
+            mismatch = window_mismatch()
+            if mismatch is not None:
+                reason = f"its behaviour here differs from graphrt's graph-safe replacement ({mismatch})"
+        elif kind not in GRAPH_SAFE:
+            reason = f"not a kind graphrt knows to replay (it knows {SUPPORTED_NAMES})"
+        if reason is not None:
+            kinds.unsupported.setdefault(kind.__name__, []).append(name)
+            kinds.reasons[kind.__name__] = reason
+    return kinds
+
+
+def make_graph_safe(cache: Any) -> Any:
+    """Replace, in place, the StaticSlidingWindowLayers of ``cache`` (a transformers StaticCache, or the
+    self-attention side of an EncoderDecoderCache) by graph-safe layers of the same window; returns ``cache``.
+
+    A window as long as the cache's full-attention layers never slides before they run out of room:
+    CacheLongWindowLayer. A shorter one slides: SlidingRingLayer.
+    """
+    if window_mismatch() is not None:
+        return cache  # graph_generate() warned; the layers stay transformers' (their capture fails, named)
+    owner = getattr(cache, "self_attention_cache", cache)
+    layers = list(getattr(owner, "layers", ()))
+    full_lengths = {layer.max_cache_len for layer in layers if type(layer) is StaticLayer}
+    for index, layer in enumerate(layers):
+        if type(layer) is not StaticSlidingWindowLayer:
+            continue
+        window_class = CacheLongWindowLayer if layer.max_cache_len in full_lengths else SlidingRingLayer
+        replacement = window_class(max_cache_len=layer.max_cache_len)
+        if layer.is_initialized:  # early-initialized (chunked prefill): allocate the same buffers now
+            replacement.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+        owner.layers[index] = replacement
+    return cache
+
+
+__all__ = ["GRAPH_SAFE", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "layer_kinds", "make_graph_safe"]
