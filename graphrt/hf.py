@@ -5,10 +5,12 @@
 steps. But transformers (5.x) builds a new StaticCache on every ``generate()`` call, and the cache
 object is a constant of the call layout (compared by identity), so each call opens new layouts
 and records its graphs again. ``graph_generate`` wraps ``forward`` and hands ``generate()`` the
-same cache again (reset in place) for the same batch size and cache length, so later calls
-replay from their first forward call. The caches it hands out are graph-safe: sliding-window
-layers, which keep a Python counter in transformers, are replaced by layers whose state is on
-the device (graphrt.hf_cache). Layer kinds it cannot graph are named up front.
+same cache again (reset in place) for the same batch size, cache length and encoder length, so
+later calls replay from their first forward call. The caches it hands out are graph-safe:
+sliding-window layers, which keep a Python counter in transformers, are replaced by layers whose
+state is on the device (graphrt.hf_cache); an encoder-decoder cache's first step, which computes
+the cross-attention keys and values, goes through a view of the cache of its own
+(graphrt.hf_cache.cross_attention). Layer kinds it cannot graph are named up front.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from graphrt.graphed_callable import GraphedCallable, wrap
+from graphrt.hf_cache.cross_attention import CrossAttentionFills, needs_fill
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +36,33 @@ def graph_safe_cache(cache: Any) -> Any:
     return make_graph_safe(cache)
 
 
+class GenerateForward:
+    """``model.forward`` under graph_generate(): the wrapped forward, with an encoder-decoder cache's
+    filling step (cross-attention keys and values still to compute) called through that cache's
+    filling view, a call layout of its own."""
+
+    def __init__(self, fast: GraphedCallable) -> None:
+        self.fast = fast
+        self.__wrapped__ = fast.fn  # generate() passes forward the keywords its signature accepts
+        self.fills = CrossAttentionFills()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if cache is None or not needs_fill(cache):
+            return self.fast(*args, **kwargs)
+        view = self.fills.view(cache)
+        output = self.fast(*args, **{**kwargs, "past_key_values": view})
+        self.fills.filled(cache)
+        if getattr(output, "past_key_values", None) is view:
+            output.past_key_values = cache  # generate() goes on with the cache it made
+        return output
+
+
 class StaticCachePool:
-    """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size
-    and length, reset in place, else a new one made graph-safe (kept for next time, up to
-    ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an earlier
-    ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape.
-    Encoder-decoder caches (sized to the encoder output too) are not pooled."""
+    """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size,
+    length and encoder output length, reset in place, else a new one made graph-safe (kept for next
+    time, up to ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an
+    earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape."""
 
     def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES) -> None:
         self.prepare = prepare
@@ -48,9 +72,10 @@ class StaticCachePool:
 
     def __call__(self, cache_implementation: str, batch_size: int, max_cache_len: int,
                  prefill_chunk_size: Optional[int], model_kwargs: dict) -> Any:
-        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size)
-        pooled = model_kwargs.get("encoder_outputs") is None
-        cache = self.caches.get(key) if pooled else None
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        encoder_length = None if encoder_outputs is None else encoder_outputs[0].shape[1]  # the cross-attention length
+        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size, encoder_length)
+        cache = self.caches.get(key)
         if cache is not None:
             self.caches.move_to_end(key)
             cache.reset()  # zeroes keys, values and the length counters in place: the graphs' tensors stay
@@ -61,7 +86,7 @@ class StaticCachePool:
         cache = graph_safe_cache(self.prepare(
             cache_implementation=cache_implementation, batch_size=batch_size, max_cache_len=max_cache_len,
             prefill_chunk_size=prefill_chunk_size, model_kwargs=model_kwargs))
-        if not pooled or layer_kinds(cache).unsupported:
+        if layer_kinds(cache).unsupported:
             return cache  # Python state that reset() puts back could take another path than the one recorded
         self.caches[key] = cache
         if len(self.caches) > self.max_caches:
@@ -103,11 +128,11 @@ def graph_generate(
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
     forward = model.forward
-    if isinstance(forward, GraphedCallable):
+    if isinstance(forward, (GraphedCallable, GenerateForward)):
         raise ValueError("model.forward: already wrapped by graphrt; call graph_generate once per model")
     warn_unsupported_layers(model)
     fast = wrap(forward, max_batch_size, capture_sizes, backend, **options)
-    model.forward = fast
+    model.forward = GenerateForward(fast)
     config = getattr(model, "generation_config", None)
     if config is not None:
         if getattr(config, "cache_implementation", None) is None:
@@ -123,4 +148,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "StaticCachePool", "graph_generate", "graph_safe_cache"]
