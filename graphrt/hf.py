@@ -28,12 +28,13 @@ MAX_POOLED_CACHES = 4  # StaticCaches kept for reuse; the least recently used is
 PROBE_CACHE_LENGTH = 8  # the length of the StaticCache built up front to list the model's layer kinds
 
 
-def graph_safe_cache(cache: Any) -> Any:
+def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
-    which keep a Python counter, are replaced by layers whose state is on the device. Returns ``cache``."""
+    which keep a Python counter, are replaced by layers whose state is on the device. With the model's
+    ``config``, a window longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
     from graphrt.hf_cache.layer_kinds import make_graph_safe
 
-    return make_graph_safe(cache)
+    return make_graph_safe(cache, config)
 
 
 class GenerateForward:
@@ -64,8 +65,9 @@ class StaticCachePool:
     time, up to ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an
     earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape."""
 
-    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES) -> None:
+    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES, config: Any = None) -> None:
         self.prepare = prepare
+        self.config = config  # the model's, for the windows its layers are configured with
         self.max_caches = max_caches
         self.caches: "OrderedDict[Hashable, Any]" = OrderedDict()
         self.reused = 0
@@ -85,7 +87,7 @@ class StaticCachePool:
 
         cache = graph_safe_cache(self.prepare(
             cache_implementation=cache_implementation, batch_size=batch_size, max_cache_len=max_cache_len,
-            prefill_chunk_size=prefill_chunk_size, model_kwargs=model_kwargs))
+            prefill_chunk_size=prefill_chunk_size, model_kwargs=model_kwargs), self.config)
         if layer_kinds(cache).unsupported:
             return cache  # Python state that reset() puts back could take another path than the one recorded
         self.caches[key] = cache
@@ -141,7 +143,7 @@ def graph_generate(
         config.disable_compile = True
     prepare = getattr(model, "_prepare_static_cache", None)
     if callable(prepare):
-        model._prepare_static_cache = StaticCachePool(prepare)
+        model._prepare_static_cache = StaticCachePool(prepare, config=getattr(model, "config", None))
     else:
         logger.warning("graph_generate(): this transformers version has no _prepare_static_cache; each "
                        "generate() call brings a new StaticCache and records its decode graphs again")

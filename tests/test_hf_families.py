@@ -22,7 +22,7 @@ from hf_helpers import FAMILIES, WINDOW, family_inputs, tiny_model  # noqa: E402
 
 import graphrt  # noqa: E402
 from graphrt.hf import graph_generate, graph_safe_cache  # noqa: E402
-from graphrt.hf_cache.window_layers import SlidingRingLayer  # noqa: E402
+from graphrt.hf_cache.window_layers import CacheLongWindowLayer, SlidingRingLayer  # noqa: E402
 
 NEW_TOKENS = 8
 PROMPT_LEN = 5
@@ -81,10 +81,11 @@ def test_a_repeated_generate_call_replays_every_forward_call(family):
     (cache,) = model._prepare_static_cache.caches.values()
     assert model._prepare_static_cache.reused == 1
     if FAMILIES[family].sliding:
-        rings = [layer for layer in cache.layers if isinstance(layer, SlidingRingLayer)]
-        assert rings, f"{family}: no sliding-window layer was made graph-safe"
-        if "sliding_window" in FAMILIES[family].fields:  # the window of WINDOW tokens slid
-            assert all(layer.max_cache_len == WINDOW < int(layer.cumulative_length) for layer in rings)
+        windows = [layer for layer in cache.layers if layer.is_sliding]
+        assert windows and all(type(layer) in (SlidingRingLayer, CacheLongWindowLayer) for layer in windows)
+        if "sliding_window" in FAMILIES[family].fields:  # a window of WINDOW tokens: a ring, and it slid
+            assert all(type(layer) is SlidingRingLayer for layer in windows)
+            assert all(layer.max_cache_len == WINDOW < int(layer.cumulative_length) for layer in windows)
 
 
 def test_opt_reads_a_device_value_in_an_unpadded_prefill_which_stays_eager():

@@ -95,12 +95,15 @@ def test_sliding_layers_become_a_ring_when_the_window_is_shorter_than_the_cache(
     assert not layer_kinds(cache).unsupported
 
 
-def test_a_window_as_long_as_the_cache_never_slides():
+def test_a_window_that_cannot_slide_before_the_cache_is_full_is_a_static_layer():
     cache = graph_safe_cache(hybrid_cache(max_cache_len=16, window=32))
     assert [type(layer) for layer in cache.layers] == [CacheLongWindowLayer, StaticLayer]
-    all_sliding = transformers.StaticCache(config=tiny_model("mistral").config, max_cache_len=16)
-    assert {type(layer) for layer in graph_safe_cache(all_sliding).layers} == {SlidingRingLayer}, \
-        "no full-attention layer to run out of room first: a ring, which slides as transformers' layer would"
+    config = tiny_model("mistral").config  # all layers sliding, window 4096
+    all_sliding = graph_safe_cache(transformers.StaticCache(config=config, max_cache_len=16), config)
+    assert {type(layer) for layer in all_sliding.layers} == {CacheLongWindowLayer}
+    without_config = graph_safe_cache(transformers.StaticCache(config=config, max_cache_len=16))
+    assert {type(layer) for layer in without_config.layers} == {SlidingRingLayer}, \
+        "without the configured window, a window as long as the cache may be longer still: a ring, which slides"
 
 
 def linear_attention_cache(*args, **kwargs) -> transformers.StaticCache:

@@ -78,27 +78,45 @@ def layer_kinds(cache: Any) -> LayerKinds:
     return kinds
 
 
-def make_graph_safe(cache: Any) -> Any:
+def configured_windows(config: Any, layers: int) -> List[Optional[int]]:
+    """The sliding window each layer is configured with (None: not sliding, or not known), from the model's config."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        windows = [kwargs.get("sliding_window") for kwargs in per_layer]
+    except Exception:  # another transformers version, or no config: every window is taken to slide
+        return [None] * layers
+    return windows if len(windows) == layers else [None] * layers
+
+
+def make_graph_safe(cache: Any, config: Any = None) -> Any:
     """Replace, in place, the StaticSlidingWindowLayers of ``cache`` (a transformers StaticCache, or the
     self-attention side of an EncoderDecoderCache) by graph-safe layers of the same window; returns ``cache``.
 
-    A window as long as the cache's full-attention layers never slides before they run out of room:
-    CacheLongWindowLayer. A shorter one slides: SlidingRingLayer.
+    A window that cannot slide before the cache is full becomes a CacheLongWindowLayer: one as long as
+    the cache's full-attention layers (they run out of room first), or, given the model's ``config``,
+    one cut to the cache's length (its configured window is longer). Any other window slides: a
+    SlidingRingLayer, which also slides past the cache's length as transformers' layer does.
     """
     if window_mismatch() is not None:
         return cache  # graph_generate() warned; the layers stay transformers' (their capture fails, named)
     owner = getattr(cache, "self_attention_cache", cache)
     layers = list(getattr(owner, "layers", ()))
     full_lengths = {layer.max_cache_len for layer in layers if type(layer) is StaticLayer}
+    windows = configured_windows(config, len(layers))
     for index, layer in enumerate(layers):
         if type(layer) is not StaticSlidingWindowLayer:
             continue
-        window_class = CacheLongWindowLayer if layer.max_cache_len in full_lengths else SlidingRingLayer
-        replacement = window_class(max_cache_len=layer.max_cache_len)
+        window = windows[index]
+        cut_to_cache = window is not None and layer.max_cache_len < window
+        never_slides = layer.max_cache_len in full_lengths or cut_to_cache
+        replacement = (CacheLongWindowLayer if never_slides else SlidingRingLayer)(max_cache_len=layer.max_cache_len)
         if layer.is_initialized:  # early-initialized (chunked prefill): allocate the same buffers now
             replacement.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
         owner.layers[index] = replacement
     return cache
 
 
-__all__ = ["GRAPH_SAFE", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "layer_kinds", "make_graph_safe"]
+__all__ = ["GRAPH_SAFE", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
+           "make_graph_safe"]

@@ -22,8 +22,8 @@ The layers here answer the same questions with no Python state that a step chang
   count on the host: generate() calls it while building the mask, outside the model call, once
   its per-step stop check has synchronized; inside a recorded step that read is a host sync,
   which fails the capture rather than freezing a value.
-* ``CacheLongWindowLayer`` (a window at least as long as a cache that has full-attention layers
-  of that length): the window can never slide before the full layers run out of room, so it is
+* ``CacheLongWindowLayer`` (a window that cannot slide before the cache is full: as long as the
+  cache's full-attention layers, which run out of room first, or configured longer than the cache):
   transformers' ``StaticLayer`` (count on the device, writes at it), flagged ``is_sliding``.
 
 ``replacement_mismatch()`` runs transformers' layer and the replacement side by side on a short
