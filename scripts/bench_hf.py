@@ -163,30 +163,33 @@ def compile_peer(model: torch.nn.Module) -> Peer:
 
 
 def measure_hf_generate(device: torch.device, new_tokens: int, with_compile: bool) -> HfResult:
-    """Per model: eager, graphrt (graph_generate) and, where asked, torch.compile on the same prompts."""
+    """Per model: eager, graphrt (graph_generate) and, where asked, torch.compile on the same prompts. The
+    compile peers run last, after every model's eager and graphrt peers, as with a single model: no eager or
+    graphrt timing follows a compilation in the same process."""
     prompts = torch.randint(1, 128, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
     options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
                    disable_compile=True)  # transformers would torch.compile the model call itself on a GPU
-    models = [HfModelResult(name, compare_peers(build(device), prompts, options, with_compile))
-              for name, build in MODELS.items()]
+    bases = {name: build(device) for name, build in MODELS.items()}
+    expected = {name: copy.deepcopy(base).generate(prompts, **options) for name, base in bases.items()}
+    models = [HfModelResult(name, [
+        run_peer("eager", copy.deepcopy(base), eager_peer, prompts, options, None),
+        run_peer("graphrt graph_generate", copy.deepcopy(base), graphrt_peer, prompts, options, expected[name]),
+    ]) for name, base in bases.items()]
+    for model in models:
+        model.peers.append(compile_result(bases[model.model], prompts, options, expected[model.model]) if with_compile
+                           else PeerResult(COMPILE_NAME, error="skipped (--no-compile)"))
     return HfResult(PROMPTS, new_tokens, models, wrap_call_cost(device), CPU_NOTE if device.type == "cpu" else "")
 
 
-def compare_peers(base: torch.nn.Module, prompts: torch.Tensor, options: Dict[str, Any],
-                  with_compile: bool) -> List[PeerResult]:
-    """Eager, graphrt and torch.compile (unless skipped) on copies of ``base``, tokens checked against eager's."""
-    eager = run_peer("eager", copy.deepcopy(base), eager_peer, prompts, options, None)
-    expected = copy.deepcopy(base).generate(prompts, **options)
-    peers = [eager, run_peer("graphrt graph_generate", copy.deepcopy(base), graphrt_peer, prompts, options, expected)]
-    if not with_compile:
-        return peers + [PeerResult(COMPILE_NAME, error="skipped (--no-compile)")]
+def compile_result(base: torch.nn.Module, prompts: torch.Tensor, options: Dict[str, Any],
+                   expected: torch.Tensor) -> PeerResult:
+    """The torch.compile peer on a copy of ``base``, or why it could not run here."""
     try:
         # Inductor's on-disk caches off: the compile a first run pays, not one warmed by an earlier process.
         with torch._inductor.config.patch(force_disable_caches=True):
-            peers.append(run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected))
+            return run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected)
     except Exception as error:  # no C compiler, unsupported platform...: reported, not fatal
-        peers.append(PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300]))
-    return peers
+        return PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300])
 
 
 def wrap_call_cost(device: torch.device, iters: int = 5, warmup: int = 1) -> Dict[str, Spread]:
