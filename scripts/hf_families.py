@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,30 +58,32 @@ class ForwardCalls:
         return self.forward(*args, **kwargs)
 
 
-def measure(family: str, padded_rows: int, new_tokens: int) -> tuple:
-    """(Repeated, the cache's layer classes) of ``family`` for prompts with ``padded_rows`` left-padded rows."""
+def measure(family: str, padded_rows: int, new_tokens: int) -> Tuple[Repeated, str]:
+    """The repeated call of ``family`` for prompts with ``padded_rows`` left-padded rows, and its cache's layers."""
     model = tiny_model(family)
     inputs = family_inputs(family, BATCH, PROMPT_LEN, padded_rows=padded_rows)
     options = dict(inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     expected = copy.deepcopy(model).generate(cache_implementation="static", **options)
     fast = graph_generate(model, max_batch_size=4)
     counter = ForwardCalls(model)
-    same = torch.equal(model.generate(**options), expected)
+    first_same = torch.equal(model.generate(**options), expected)
     calls, replays = counter.calls, fast.stats()["graph_runs"]
-    same = torch.equal(model.generate(**options), expected) and same
-    failed = {key: reason.split(":")[0] + ": " + short_reason(reason) for key, reason in fast.stats()["failed_keys"].items()}
+    same = torch.equal(model.generate(**options), expected) and first_same
+    failed = {key: failure(reason) for key, reason in fast.stats()["failed_keys"].items()}
     return Repeated(counter.calls - calls, fast.stats()["graph_runs"] - replays, same, failed), cache_layers(model)
 
 
-def short_reason(reason: str) -> str:
-    """A capture failure's op and model line (``... at file:line``), or its first words."""
-    where = reason.rsplit(" at ", 1)
-    return f"{where[0].split(': ')[-1].split(' (in ')[0]} at {Path(where[1].split()[0]).name}" if len(where) == 2 \
-        else reason.split(": ", 1)[-1][:80]
+def failure(reason: str) -> str:
+    """A capture failure in short: its error type, and the op and file:line where it names them."""
+    kind, _, detail = reason.partition(": ")
+    if " at " not in detail:
+        return f"{kind}: {detail[:80]}"
+    op, _, where = detail.rpartition(" at ")
+    return f"{kind}: {op.split(': ')[-1].split(' (in ')[0]} at {Path(where.split()[0]).name}"
 
 
 def cache_layers(model: torch.nn.Module) -> str:
-    """The layer classes of the cache graph_generate() handed generate(), counted."""
+    """The layer classes of the cache graph_generate() handed generate(), counted per side."""
     caches = list(getattr(model._prepare_static_cache, "caches", {}).values())
     if not caches:
         return "not pooled"

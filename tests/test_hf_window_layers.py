@@ -61,7 +61,7 @@ def test_the_comparison_catches_a_replacement_that_answers_otherwise():
     reversed_ring = replacement_mismatch(lambda length: ReversedRing(max_cache_len=length), 3, 16, scripts)
     assert reversed_ring == "update of 2 token(s) after 0: the keys returned for the visible positions differ"
     late = replacement_mismatch(lambda length: LateOffset(max_cache_len=length), 3, 16, scripts)
-    assert late == "update of 1 token(s) after 3: mask offset 1, the replacement's 0"
+    assert late == "update of 1 token(s) after 3: mask sizes (3, 1), the replacement's (3, 0)"
 
 
 def test_a_host_read_of_the_ring_count_inside_a_recorded_step_fails_its_capture():
@@ -137,7 +137,7 @@ def test_graph_generate_names_unknown_layer_kinds_once_up_front(caplog):
 def test_a_replacement_that_stops_matching_transformers_is_not_used(monkeypatch, caplog):
     """A transformers release that changes the sliding-window layer: graphrt keeps transformers' layer (its
     capture then fails, named) and says so up front, rather than generating other tokens."""
-    monkeypatch.setattr(kinds_module, "window_mismatch", lambda: "update of 1 token(s) after 3: mask offset 1, ...")
+    monkeypatch.setattr(kinds_module, "window_mismatch", lambda: "update of 1 token(s) after 3: mask sizes (3, 1), ...")
     cache = graph_safe_cache(hybrid_cache(max_cache_len=16))
     assert type(cache.layers[0]) is StaticSlidingWindowLayer
     assert "differs from graphrt's graph-safe replacement" in layer_kinds(cache).describe()

@@ -37,7 +37,7 @@ class PendingForEveryLayer(dict):
 
 
 def needs_fill(cache: Any) -> bool:
-    """Whether this call's cache is an encoder-decoder cache whose cross-attention keys and values are still to be computed."""
+    """Whether ``cache`` is an encoder-decoder cache whose cross-attention keys and values are still to compute."""
     updated = getattr(cache, "is_updated", None)
     return isinstance(updated, dict) and not all(updated.values())
 
@@ -59,7 +59,7 @@ class CrossAttentionFills:
 
     @staticmethod
     def filled(cache: Any) -> None:
-        """Record on the real cache what the filling step did: every layer's cross-attention keys and values are there."""
+        """Record on the real cache what the filling step did: every layer's cross-attention keys and values."""
         for layer in cache.is_updated:
             cache.is_updated[layer] = True
 

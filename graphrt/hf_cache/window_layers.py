@@ -92,7 +92,7 @@ class SlidingRingLayer(StaticLayer):
 
 
 class CacheLongWindowLayer(StaticLayer):
-    """A sliding-window layer whose window spans the whole cache: it never slides, a StaticLayer that says it is sliding."""
+    """A sliding-window layer that cannot slide before the cache is full: a StaticLayer that says it is sliding."""
 
     is_sliding = True
 
@@ -100,8 +100,9 @@ class CacheLongWindowLayer(StaticLayer):
 def replacement_mismatch(make_ours: Callable[[int], StaticLayer], window: int, cache_length: int,
                          scripts: Sequence[Sequence[int]]) -> Optional[str]:
     """Where ``make_ours(max_cache_len)`` answers otherwise than transformers' StaticSlidingWindowLayer
-    on ``scripts`` (token counts per update), or None. Compared per step: the mask offset, the
-    sequence length, and the keys and values at every position the mask can show."""
+    on ``scripts`` (token counts per update), or None. Compared per step: the mask offset (and for one
+    new token the mask length), the sequence length, and the keys and values at every position the
+    mask can show; the replacement must also return as many positions as its own mask length."""
     generator = torch.Generator().manual_seed(0)
     for script in scripts:
         try:
@@ -113,12 +114,15 @@ def replacement_mismatch(make_ours: Callable[[int], StaticLayer], window: int, c
         for new in script:
             step = f"update of {new} token(s) after {seen}"
             keys, values = (torch.randn(1, 1, new, 2, generator=generator) for _ in range(2))
-            (_, their_offset), (_, our_offset) = theirs.get_mask_sizes(new), ours.get_mask_sizes(new)
-            if their_offset != our_offset:
-                return f"{step}: mask offset {their_offset}, the replacement's {our_offset}"
+            their_sizes, our_sizes = theirs.get_mask_sizes(new), ours.get_mask_sizes(new)
+            our_length = our_sizes[0]
+            if their_sizes[1] != our_sizes[1] or (new == 1 and their_sizes != our_sizes):
+                return f"{step}: mask sizes {their_sizes}, the replacement's {our_sizes}"
             their_kv, our_kv = theirs.update(keys, values), ours.update(keys, values)
+            if our_kv[0].shape[2] != our_length:
+                return f"{step}: the replacement returns {our_kv[0].shape[2]} positions for a mask of {our_length}"
             seen += new
-            visible = seen - our_offset
+            visible = seen - our_sizes[1]
             for name, mine, other in zip(("keys", "values"), our_kv, their_kv):
                 if not torch.equal(mine[:, :, :visible], other[:, :, :visible]):
                     return f"{step}: the {name} returned for the visible positions differ"
@@ -136,10 +140,10 @@ def ring_mismatch() -> Optional[str]:
 
 @lru_cache(maxsize=None)
 def cache_long_mismatch() -> Optional[str]:
-    """``replacement_mismatch`` of CacheLongWindowLayer (a window as long as the cache, never full), once per process."""
-    length = sum(SCRIPTS[0])
-    return replacement_mismatch(lambda length: CacheLongWindowLayer(max_cache_len=length), length, length,
-                                SCRIPTS[:1])
+    """``replacement_mismatch`` of CacheLongWindowLayer (a window as long as the cache), once per process."""
+    cache_length = sum(SCRIPTS[0])
+    return replacement_mismatch(lambda length: CacheLongWindowLayer(max_cache_len=length), cache_length,
+                                cache_length, SCRIPTS[:1])
 
 
 __all__ = ["CacheLongWindowLayer", "SlidingRingLayer", "cache_long_mismatch", "replacement_mismatch",

@@ -21,9 +21,10 @@ MAX_DEPTH = 4
 MAX_CONTAINERS = 10_000
 _OPAQUE = (torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 GENERIC_ADVICE = "Use an object updated in place, or pass its tensors as arguments"
-HF_ADVICE = ("a Hugging Face cache class whose update keeps Python state: generate with graphrt.hf.graph_generate(model, "
-             "...), which hands generate() static caches with graph-safe layers and names the layer kinds it cannot "
-             "graph; for a cache of your own, graphrt.hf.graph_safe_cache(StaticCache(...))")
+HF_ADVICE = ("a Hugging Face cache class whose update keeps Python state: generate with "
+             "graphrt.hf.graph_generate(model, ...), which hands generate() static caches with graph-safe layers "
+             "and names the layer kinds it cannot graph; for a cache of your own, "
+             "graphrt.hf.graph_safe_cache(StaticCache(...))")
 
 
 class RebindError(TypeError):
