@@ -155,3 +155,22 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
     assert all(torch.equal(a, b) for a, b in zip(tokens[:NEW_TOKENS - 1], tokens[NEW_TOKENS - 1:]))
     assert fast.stats()["graph_runs"] == 0
     assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("HostSyncError")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "bart"])
+def test_beam_search_reorders_the_cache_in_place(family):
+    """Beam search reorders the cache between steps; transformers' reorder_cache rebinds every layer's tensors,
+    which graphs recorded before never read (the tokens differed). graph_generate's caches reorder in place."""
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    inputs = family_inputs(family, 2, PROMPT_LEN)
+    options = dict(num_beams=2, return_dict_in_generate=True, output_scores=True)
+    expected = generate(reference, inputs, cache_implementation="static", **options)
+    fast = graph_generate(model, max_batch_size=4)
+    counter = ForwardCalls(model)
+    for _ in range(2):
+        calls, replays = counter.calls, fast.stats()["graph_runs"]
+        got = generate(model, inputs, **options)
+        assert torch.equal(got.sequences, expected.sequences)
+        torch.testing.assert_close(got.sequences_scores, expected.sequences_scores)
+    assert fast.stats()["graph_runs"] - replays == counter.calls - calls

@@ -10,6 +10,10 @@ anything):
   ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf_cache.window_layers), as long as
   those replacements answer like transformers' layer on a scripted sequence in this process.
 
+A graph-safe cache also reorders beams in place: transformers' ``reorder_cache`` (beam search, between
+steps) rebinds every layer's keys and values to new tensors, which a graph recorded before would never
+read again.
+
 Any other kind is named in graph_generate()'s warning. Its steps are recorded as they are (a
 step that changes its Python state fails capture, naming the layer's class, and runs eagerly),
 and its caches are not reused across ``generate()`` calls: Python state that ``reset()`` puts
@@ -18,8 +22,11 @@ back could send a reused cache's first steps down another path than the one reco
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
 
@@ -90,15 +97,35 @@ def configured_windows(config: Any, layers: int) -> List[Optional[int]]:
     return windows if len(windows) == layers else [None] * layers
 
 
+class InPlaceBeamReorder:
+    """``cache.reorder_cache`` of a graph-safe cache: every layer's keys and values reordered along the batch
+    in place, so the tensors graphs read stay the cache's (holds the cache weakly: no reference cycle)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = weakref.ref(cache)
+
+    def __call__(self, beam_idx: torch.Tensor) -> None:
+        cache = self.cache()
+        for _, layer in cache_layers(cache):
+            if getattr(layer, "keys", None) is None:  # not initialized yet, or a DummyLayer
+                continue
+            index = beam_idx.to(layer.keys.device)
+            layer.keys.copy_(layer.keys.index_select(0, index))
+            layer.values.copy_(layer.values.index_select(0, index))
+
+
 def make_graph_safe(cache: Any, config: Any = None) -> Any:
     """Replace, in place, the StaticSlidingWindowLayers of ``cache`` (a transformers StaticCache, or the
-    self-attention side of an EncoderDecoderCache) by graph-safe layers of the same window; returns ``cache``.
+    self-attention side of an EncoderDecoderCache) by graph-safe layers of the same window, and make its
+    beam reordering in place; returns ``cache``.
 
     A window that cannot slide before the cache is full becomes a CacheLongWindowLayer: one as long as
     the cache's full-attention layers (they run out of room first), or, given the model's ``config``,
     one cut to the cache's length (its configured window is longer). Any other window slides: a
     SlidingRingLayer, which also slides past the cache's length as transformers' layer does.
     """
+    if callable(getattr(cache, "reorder_cache", None)):
+        cache.reorder_cache = InPlaceBeamReorder(cache)
     if window_mismatch() is not None:
         return cache  # graph_generate() warned; the layers stay transformers' (their capture fails, named)
     owner = getattr(cache, "self_attention_cache", cache)
@@ -118,5 +145,5 @@ def make_graph_safe(cache: Any, config: Any = None) -> Any:
     return cache
 
 
-__all__ = ["GRAPH_SAFE", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
+__all__ = ["GRAPH_SAFE", "InPlaceBeamReorder", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
            "make_graph_safe"]
