@@ -174,3 +174,20 @@ def test_beam_search_reorders_the_cache_in_place(family):
         assert torch.equal(got.sequences, expected.sequences)
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores)
     assert fast.stats()["graph_runs"] - replays == counter.calls - calls
+
+
+def test_a_chunked_prefill_replays_one_graph_whatever_the_window_holds():
+    """generate(prefill_chunk_size=3) on a 9-token prompt: three 3-token steps at 0, 3 and 6 tokens already
+    cached, the window of 4 empty, filling and full; the ring's ops depend on the step's size only, so the
+    chunk's graph replays for all three, with eager's tokens and logits."""
+    model = tiny_model("gemma3")
+    reference = copy.deepcopy(model)
+    inputs = family_inputs("gemma3", 2, 9)
+    options = dict(prefill_chunk_size=3, return_dict_in_generate=True, output_logits=True)
+    expected = generate(reference, inputs, cache_implementation="static", **options)
+    fast = graph_generate(model, max_batch_size=4)
+    counter = ForwardCalls(model)
+    for _ in range(2):
+        calls, replays = counter.calls, fast.stats()["graph_runs"]
+        assert_same_generation(generate(model, inputs, **options), expected, "gemma3")
+    assert fast.stats()["graph_runs"] - replays == counter.calls - calls == 3 + NEW_TOKENS - 1
