@@ -8,7 +8,7 @@ slides while graphs replay. ``scripts/hf_families.py`` measures the README's tab
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
@@ -110,9 +110,9 @@ def family_inputs(family: str, batch: int, length: int = 5, seed: int = 1, padde
     return dict(input_ids=ids, attention_mask=mask)
 
 
-def tiny_causal_lm(kind: str, device: str = "cpu", sliding_window: Optional[int] = None) -> torch.nn.Module:
-    """The wrap() tests' 2-layer causal LMs (hidden 64). Mistral without a sliding window unless asked: the
-    plain ``wrap(model.forward)`` form cannot replay transformers' sliding-window cache layer (it keeps a
+def tiny_causal_lm(kind: str, device: str = "cpu") -> torch.nn.Module:
+    """The wrap() tests' 2-layer causal LMs (hidden 64). Mistral without a sliding window: the plain
+    ``wrap(model.forward)`` form cannot replay transformers' sliding-window cache layer (it keeps a
     Python counter; capture fails with RebindError and the steps run eagerly)."""
     if kind == "gpt2":
         return tiny_model(kind, device, n_embd=64)
@@ -120,5 +120,5 @@ def tiny_causal_lm(kind: str, device: str = "cpu", sliding_window: Optional[int]
     if kind == "gemma":
         fields["head_dim"] = 16
     if kind == "mistral":
-        fields["sliding_window"] = sliding_window
+        fields["sliding_window"] = None
     return tiny_model(kind, device, **fields)
