@@ -157,7 +157,7 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
     assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("HostSyncError")
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "bart"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # both fail without the in-place reorder
 def test_beam_search_reorders_the_cache_in_place(family):
     """Beam search reorders the cache between steps; transformers' reorder_cache rebinds every layer's tensors,
     which graphs recorded before never read (the tokens differed). graph_generate's caches reorder in place."""
