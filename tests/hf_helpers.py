@@ -8,7 +8,7 @@ slides while graphs replay. ``scripts/hf_families.py`` measures the README's tab
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -122,3 +122,22 @@ def tiny_causal_lm(kind: str, device: str = "cpu") -> torch.nn.Module:
     if kind == "mistral":
         fields["sliding_window"] = None
     return tiny_model(kind, device, **fields)
+
+
+def keys_at(names: Any, layout: int, batch: int) -> List[str]:
+    """The keys among ``names`` for ``batch`` rows in layout ``layout`` (0: the first), whatever their kind is named
+    (``decode/bs=2``, ``layout1:decode/bs=2``)."""
+    prefix = f"layout{layout}:" if layout else ""
+    return [name for name in names
+            if name.startswith(prefix) and name.endswith(f"/bs={batch}") and (layout or ":" not in name)]
+
+
+def failure_of(stats: Dict[str, Any], layout: int, batch: int) -> str:
+    """Why the capture of the key for ``batch`` rows in layout ``layout`` failed (``stats()["failed_keys"]``)."""
+    (key,) = keys_at(stats["failed_keys"], layout, batch)
+    return stats["failed_keys"][key]
+
+
+def captured_at(stats: Dict[str, Any], layout: int, batch: int) -> bool:
+    """Whether layout ``layout`` has a graph recorded for ``batch`` rows."""
+    return bool(keys_at(stats["captured_keys"], layout, batch))

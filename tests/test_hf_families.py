@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_helpers import FAMILIES, WINDOW, family_inputs, tiny_model  # noqa: E402
+from hf_helpers import FAMILIES, WINDOW, captured_at, failure_of, family_inputs, tiny_model  # noqa: E402
 
 import graphrt  # noqa: E402
 from graphrt.hf import graph_generate, graph_safe_cache  # noqa: E402
@@ -99,7 +99,7 @@ def test_opt_reads_a_device_value_in_an_unpadded_prefill_which_stays_eager():
 
 def test_a_sliding_window_batch_off_the_capture_sizes_replays_at_its_own_size():
     fast, calls, replays, _ = repeated_call("gemma2", batch=3)  # padded to 4, the 3-row cache refuses it
-    assert replays == calls and "layout1:decode/bs=3" in fast.stats()["captured_keys"]
+    assert replays == calls and captured_at(fast.stats(), layout=1, batch=3)
 
 
 def test_plain_wrap_of_a_sliding_window_model_names_the_layer_and_graph_generate():
@@ -112,7 +112,7 @@ def test_plain_wrap_of_a_sliding_window_model_names_the_layer_and_graph_generate
     model.forward = fast
     assert torch.equal(generate(model, inputs, cache_implementation="static"), expected)
     assert fast.stats()["graph_runs"] == 0
-    reason = fast.stats()["failed_keys"]["layout1:decode/bs=2"]
+    reason = failure_of(fast.stats(), layout=1, batch=2)
     assert "(state of a transformers.cache_utils.StaticSlidingWindowLayer)" in reason
     assert "graphrt.hf.graph_generate(model, ...)" in reason and "graphrt.hf.graph_safe_cache" in reason
 
@@ -154,7 +154,7 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
                 tokens.append(token)
     assert all(torch.equal(a, b) for a, b in zip(tokens[:NEW_TOKENS - 1], tokens[NEW_TOKENS - 1:]))
     assert fast.stats()["graph_runs"] == 0
-    assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("HostSyncError")
+    assert failure_of(fast.stats(), layout=0, batch=2).startswith("HostSyncError")
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # both fail without the in-place reorder

@@ -350,8 +350,6 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
         if wrapped:
             reason = fast.stats()["failed_keys"]["decode/bs=2"]
             assert reason.startswith("RebindError: args[1].layers[0].keys: the step rebinds it")
-            assert "(state of a transformers.cache_utils.DynamicLayer)" in reason
-            assert "DynamicLayer is a Hugging Face cache class" in reason and "graphrt.hf.graph_generate" in reason
     assert caches == [9, 9], "the refused recording's appends to the cache were undone"
     assert all(torch.equal(a, b) for a, b in zip(tokens[:4], tokens[4:]))
 
@@ -394,10 +392,7 @@ def test_an_object_argument_rebinding_a_python_counter_is_refused_once_per_call(
     for _ in range(3):
         fast(torch.ones(2, 3), state)
     assert state.calls == 3 and int(state.total) == 3
-    reason = fast.stats()["failed_keys"]["decode/bs=2"]
-    assert reason.startswith("RebindError: args[1].calls: the step rebinds it (now a int)")
-    assert f"(state of a {CountingState.__module__}.CountingState)" in reason
-    assert reason.endswith("Use an object updated in place, or pass its tensors as arguments")
+    assert fast.stats()["failed_keys"]["decode/bs=2"].startswith("RebindError: args[1].calls")
 
 
 # ---------------------------------------------------------------- GraphRunner: tokens vs requests
