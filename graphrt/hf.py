@@ -1,12 +1,16 @@
-"""graph_generate(): Hugging Face ``model.generate()`` replaying its decode steps, in one line.
+"""graph_generate(): Hugging Face ``model.generate()`` replaying its forward calls, in one line.
 
 ``graphrt.wrap(model.forward)`` alone already replays every decode step of a
 ``generate(..., cache_implementation="static")`` call after that call's warm-up and recording
 steps. But transformers (5.x) builds a new StaticCache on every ``generate()`` call, and the cache
 object is a constant of the call layout (compared by identity), so each call opens new layouts
 and records its graphs again. ``graph_generate`` wraps ``forward`` and hands ``generate()`` the
-same StaticCache again (reset in place) for the same batch size and cache length, so later calls
-replay from their first decode step.
+same cache again (reset in place) for the same batch size, cache length and encoder length, so
+later calls replay from their first forward call. The caches it hands out are graph-safe:
+sliding-window layers, which keep a Python counter in transformers, are replaced by layers whose
+state is on the device (graphrt.hf_cache); an encoder-decoder cache's first step, which computes
+the cross-attention keys and values, goes through a view of the cache of its own
+(graphrt.hf_cache.cross_attention). Layer kinds it cannot graph are named up front.
 """
 
 from __future__ import annotations
@@ -16,42 +20,100 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from graphrt.graphed_callable import GraphedCallable, wrap
+from graphrt.hf_cache.cross_attention import CrossAttentionFills, needs_fill
 
 logger = logging.getLogger(__name__)
 
 MAX_POOLED_CACHES = 4  # StaticCaches kept for reuse; the least recently used is let go past it
+PROBE_CACHE_LENGTH = 8  # the length of the StaticCache built up front to list the model's layer kinds
+
+
+def graph_safe_cache(cache: Any, config: Any = None) -> Any:
+    """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
+    which keep a Python counter, are replaced by layers whose state is on the device. With the model's
+    ``config``, a window longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
+    from graphrt.hf_cache.layer_kinds import make_graph_safe
+
+    return make_graph_safe(cache, config)
+
+
+class GenerateForward:
+    """``model.forward`` under graph_generate(): the wrapped forward, with an encoder-decoder cache's
+    filling step (cross-attention keys and values still to compute) called through that cache's
+    filling view, a call layout of its own."""
+
+    def __init__(self, fast: GraphedCallable) -> None:
+        self.fast = fast
+        self.__wrapped__ = fast.fn  # generate() passes forward the keywords its signature accepts
+        self.fills = CrossAttentionFills()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if cache is None or not needs_fill(cache):
+            return self.fast(*args, **kwargs)
+        view = self.fills.view(cache)
+        output = self.fast(*args, **{**kwargs, "past_key_values": view})
+        self.fills.filled(cache)
+        if getattr(output, "past_key_values", None) is view:
+            output.past_key_values = cache  # generate() goes on with the cache it made
+        return output
 
 
 class StaticCachePool:
-    """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size
-    and length, reset in place, else a new one (kept for next time, up to ``max_caches``). A cache
-    that an earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call
-    of the same shape. Encoder-decoder caches (sized to the encoder output too) are not pooled."""
+    """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size,
+    length and encoder output length, reset in place, else a new one made graph-safe (kept for next
+    time, up to ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an
+    earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape."""
 
-    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES) -> None:
+    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES, config: Any = None) -> None:
         self.prepare = prepare
+        self.config = config  # the model's, for the windows its layers are configured with
         self.max_caches = max_caches
         self.caches: "OrderedDict[Hashable, Any]" = OrderedDict()
         self.reused = 0
 
     def __call__(self, cache_implementation: str, batch_size: int, max_cache_len: int,
                  prefill_chunk_size: Optional[int], model_kwargs: dict) -> Any:
-        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size)
-        pooled = model_kwargs.get("encoder_outputs") is None
-        cache = self.caches.get(key) if pooled else None
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        encoder_length = None if encoder_outputs is None else encoder_outputs[0].shape[1]  # the cross-attention length
+        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size, encoder_length)
+        cache = self.caches.get(key)
         if cache is not None:
             self.caches.move_to_end(key)
-            cache.reset()  # zeroes keys, values and the length counter in place: the graphs' tensors stay
+            cache.reset()  # zeroes keys, values and the length counters in place: the graphs' tensors stay
             self.reused += 1
             return cache
-        cache = self.prepare(cache_implementation=cache_implementation, batch_size=batch_size,
-                             max_cache_len=max_cache_len, prefill_chunk_size=prefill_chunk_size,
-                             model_kwargs=model_kwargs)
-        if pooled:
-            self.caches[key] = cache
-            if len(self.caches) > self.max_caches:
-                self.caches.popitem(last=False)
+        from graphrt.hf_cache.layer_kinds import layer_kinds
+
+        cache = graph_safe_cache(self.prepare(
+            cache_implementation=cache_implementation, batch_size=batch_size, max_cache_len=max_cache_len,
+            prefill_chunk_size=prefill_chunk_size, model_kwargs=model_kwargs), self.config)
+        if layer_kinds(cache).unsupported:
+            return cache  # Python state that reset() puts back could take another path than the one recorded
+        self.caches[key] = cache
+        if len(self.caches) > self.max_caches:
+            self.caches.popitem(last=False)
         return cache
+
+
+def warn_unsupported_layers(model: Any) -> None:
+    """Log once, up front, the cache layer kinds of ``model`` that graphrt cannot graph (by class and layer)."""
+    try:
+        from transformers import StaticCache
+
+        from graphrt.hf_cache.layer_kinds import layer_kinds
+
+        kinds = layer_kinds(StaticCache(config=model.config.get_text_config(decoder=True),
+                                        max_cache_len=PROBE_CACHE_LENGTH))
+    except Exception as error:  # a model without a static cache: generate() will not use one either
+        logger.warning("graph_generate(): cannot list %s's static cache layers (%s: %s); generate() steps whose "
+                       "capture fails run eagerly", type(model).__name__, type(error).__name__, error)
+        return
+    if kinds.unsupported:
+        logger.warning("graph_generate(): %s's cache has layers graphrt cannot graph: %s. Their steps are recorded as "
+                       "they are (a step that changes their Python state fails capture, naming the layer, and runs "
+                       "eagerly), and generate() gets a new cache on every call", type(model).__name__,
+                       kinds.describe())
 
 
 def graph_generate(
@@ -61,17 +123,18 @@ def graph_generate(
     backend: str = "auto",
     **options: Any,
 ) -> GraphedCallable:
-    """Make ``model.generate()`` replay its decode steps: wrap ``model.forward``, default the
-    generation config to a static cache (and to no auto-compile), and reuse that cache across
-    ``generate()`` calls."""
+    """Make ``model.generate()`` replay its forward calls: wrap ``model.forward``, default the
+    generation config to a static cache (and to no auto-compile), and reuse that cache, made
+    graph-safe, across ``generate()`` calls. Returns the GraphedCallable (its ``stats()``)."""
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
     forward = model.forward
-    if isinstance(forward, GraphedCallable):
+    if isinstance(forward, (GraphedCallable, GenerateForward)):
         raise ValueError("model.forward: already wrapped by graphrt; call graph_generate once per model")
+    warn_unsupported_layers(model)
     fast = wrap(forward, max_batch_size, capture_sizes, backend, **options)
-    model.forward = fast
+    model.forward = GenerateForward(fast)
     config = getattr(model, "generation_config", None)
     if config is not None:
         if getattr(config, "cache_implementation", None) is None:
@@ -80,11 +143,11 @@ def graph_generate(
         config.disable_compile = True
     prepare = getattr(model, "_prepare_static_cache", None)
     if callable(prepare):
-        model._prepare_static_cache = StaticCachePool(prepare)
+        model._prepare_static_cache = StaticCachePool(prepare, config=getattr(model, "config", None))
     else:
         logger.warning("graph_generate(): this transformers version has no _prepare_static_cache; each "
                        "generate() call brings a new StaticCache and records its decode graphs again")
     return fast
 
 
-__all__ = ["StaticCachePool", "graph_generate"]
+__all__ = ["GenerateForward", "StaticCachePool", "graph_generate", "graph_safe_cache"]

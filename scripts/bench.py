@@ -10,10 +10,11 @@ without value checks, batch.validate() alone each way, debug mode) in trivial ea
 same rounds; then wrap()'s floor, greedy-generation throughput eager vs runner, capture time and
 graph pool memory. Every graph is checked against eager before it is timed. Without CUDA the
 backend is emulated and the graph column measures graphrt's overhead, not a speedup. Last,
-Hugging Face generate() on a tiny random Llama: eager vs graphrt.hf.graph_generate vs
-torch.compile(mode="reduce-overhead") (scripts/bench_hf.py; --no-hf skips it, --no-compile skips
-its ~10 s torch.compile peer). The load average is printed at the start and the end, with a
-WARNING when other processes kept the machine busy (bench_load).
+Hugging Face generate() on a tiny random Llama and a tiny random Gemma3 (sliding-window and full
+attention layers): eager vs graphrt.hf.graph_generate vs torch.compile(mode="reduce-overhead")
+(scripts/bench_hf.py; --no-hf skips it, --no-compile skips its torch.compile peers, ~10 s each).
+The load average is printed at the start and the end, with a WARNING when other processes kept
+the machine busy (bench_load).
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
 
 
 def hf_summary(settings: Settings) -> Dict[str, Any]:
-    """The generate() section (eager vs graphrt vs torch.compile on a tiny HF Llama), or why it was skipped."""
+    """The generate() section (eager vs graphrt vs torch.compile on a tiny HF Llama and Gemma3), or why it was skipped."""
     if not settings.hf:
         return {"skipped": "--no-hf"}
     if importlib.util.find_spec("transformers") is None:

@@ -1,5 +1,6 @@
-"""Hugging Face generate() on a tiny random Llama: eager vs graphrt vs torch.compile (wrap()'s own
-per-call cost is in bench_floor, measured whether or not transformers is installed).
+"""Hugging Face generate() on a tiny random Llama and a tiny random Gemma3 (sliding-window and full
+attention layers): eager vs graphrt vs torch.compile (wrap()'s own per-call cost is in bench_floor,
+measured whether or not transformers is installed).
 
 Every peer generates from the same prompts, greedy, with a static cache: first the call that sets
 it up (capture or compile), then warm calls whose decode steps are timed one forward call at a
@@ -20,6 +21,8 @@ import torch
 from bench_timing import Spread
 
 PROMPTS, PROMPT_LEN, WARM_CALLS = 3, 8, 2  # 3 prompts: not a capture size, the batch's own size is recorded
+GEMMA3_WINDOW = 6  # shorter than prompt + new tokens: the window slides while graphs replay (not PROMPTS: the
+# sliding mask [batch, 1, 1, window] would have the batch size in two dims)
 COMPILE_NAME = 'torch.compile(mode="reduce-overhead")'
 CPU_NOTE = ("on CPU graphrt's emulated replay runs the recorded aten ops (no CUDA graph), and torch.compile's "
             "steps run inductor's fused C++ kernels (reduce-overhead uses CUDA graphs only for CUDA tensors): "
@@ -40,13 +43,20 @@ class PeerResult:
 
 
 @dataclass
-class HfResult:
-    """The generate() comparison."""
+class HfModelResult:
+    """One model's generate() comparison."""
 
     model: str
+    peers: List[PeerResult]
+
+
+@dataclass
+class HfResult:
+    """The generate() comparison per model and wrap()'s per-call cost by number of layouts."""
+
     prompts: int
     new_tokens: int
-    peers: List[PeerResult]
+    models: List[HfModelResult]
     note: str = ""
 
 
@@ -76,15 +86,33 @@ class ForwardTimer:
         return out
 
 
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0)
+
+
 def tiny_llama(device: torch.device) -> torch.nn.Module:
     """The tests' tiny random Llama (2 layers, hidden 64, vocab 128)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.5, pad_token_id=0)
-    return LlamaForCausalLM(config).to(device).eval()
+    return LlamaForCausalLM(LlamaConfig(**TINY)).to(device).eval()
+
+
+def tiny_gemma3(device: torch.device) -> torch.nn.Module:
+    """A tiny random Gemma3: a sliding-window layer (window GEMMA3_WINDOW) and a full-attention layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**TINY, head_dim=16, sliding_window=GEMMA3_WINDOW,
+                              layer_types=["sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(config).to(device).eval()
+
+
+MODELS = {  # description -> builder
+    "tiny random Llama (2 layers, hidden 64, vocab 128)": tiny_llama,
+    f"tiny random Gemma3 (a sliding-window layer, window {GEMMA3_WINDOW}, and a full-attention layer; hidden 64, "
+    "vocab 128)": tiny_gemma3,
+}
 
 
 def run_peer(name: str, model: torch.nn.Module, setup: Callable[[torch.nn.Module], Peer], prompts: torch.Tensor,
@@ -133,45 +161,61 @@ def compile_peer(model: torch.nn.Module) -> Peer:
 
 
 def measure_hf_generate(device: torch.device, new_tokens: int, with_compile: bool) -> HfResult:
-    """Eager, graphrt (graph_generate) and, where asked, torch.compile on the same prompts."""
-    base = tiny_llama(device)
+    """Per model: eager, graphrt (graph_generate) and, where asked, torch.compile on the same prompts. The
+    compile peers run last, after every model's eager and graphrt peers, as with a single model: no eager or
+    graphrt timing follows a compilation in the same process."""
     prompts = torch.randint(1, 128, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
     options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
                    disable_compile=True)  # transformers would torch.compile the model call itself on a GPU
-    eager = run_peer("eager", copy.deepcopy(base), eager_peer, prompts, options, None)
-    expected = copy.deepcopy(base).generate(prompts, **options)
-    peers = [eager, run_peer("graphrt graph_generate", copy.deepcopy(base), graphrt_peer, prompts, options, expected)]
-    if not with_compile:
-        peers.append(PeerResult(COMPILE_NAME, error="skipped (--no-compile)"))
-    else:
-        try:
-            # Inductor's on-disk caches off: the compile a first run pays, not one warmed by an earlier process.
-            with torch._inductor.config.patch(force_disable_caches=True):
-                peers.append(run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected))
-        except Exception as error:  # no C compiler, unsupported platform...: reported, not fatal
-            peers.append(PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300]))
-    return HfResult("tiny random Llama (2 layers, hidden 64, vocab 128)", PROMPTS, new_tokens, peers,
-                    CPU_NOTE if device.type == "cpu" else "")
+    bases = {name: build(device) for name, build in MODELS.items()}
+    expected = {name: copy.deepcopy(base).generate(prompts, **options) for name, base in bases.items()}
+    models = [HfModelResult(name, [
+        run_peer("eager", copy.deepcopy(base), eager_peer, prompts, options, None),
+        run_peer("graphrt graph_generate", copy.deepcopy(base), graphrt_peer, prompts, options, expected[name]),
+    ]) for name, base in bases.items()]
+    for model in models:
+        model.peers.append(compile_result(bases[model.model], prompts, options, expected[model.model]) if with_compile
+                           else PeerResult(COMPILE_NAME, error="skipped (--no-compile)"))
+    return HfResult(PROMPTS, new_tokens, models, CPU_NOTE if device.type == "cpu" else "")
+
+
+def compile_result(base: torch.nn.Module, prompts: torch.Tensor, options: Dict[str, Any],
+                   expected: torch.Tensor) -> PeerResult:
+    """The torch.compile peer on a copy of ``base``, or why it could not run here."""
+    try:
+        # Inductor's on-disk caches off: the compile a first run pays, not one warmed by an earlier process.
+        with torch._inductor.config.patch(force_disable_caches=True):
+            return run_peer(COMPILE_NAME, copy.deepcopy(base), compile_peer, prompts, options, expected)
+    except Exception as error:  # no C compiler, unsupported platform...: reported, not fatal
+        return PeerResult(COMPILE_NAME, error=f"could not run here: {type(error).__name__}: {error}"[:300])
 
 
 def format_hf(result: Dict[str, Any]) -> List[str]:
     """Report lines of the generate() section (from the JSON form of an HfResult)."""
-    lines = ["", f"Hugging Face generate(): {result['model']}, {result['prompts']} prompts x {PROMPT_LEN} tokens, "
-             f"{result['new_tokens']} new tokens, greedy, static cache; decode steps of {WARM_CALLS} warm calls"]
+    lines = []
+    for model in result["models"]:
+        lines += ["", f"Hugging Face generate(): {model['model']}, {result['prompts']} prompts x {PROMPT_LEN} tokens, "
+                  f"{result['new_tokens']} new tokens, greedy, static cache; decode steps of {WARM_CALLS} warm calls"]
+        lines += format_peers(model["peers"])
+    if result["note"]:
+        lines.append(f"NOTE: {result['note']}.")
+    return lines
+
+
+def format_peers(peers: List[Dict[str, Any]]) -> List[str]:
+    """One model's table: setup time, decode step, forward calls replayed (and their share), tokens."""
     header = ["peer", "first steady step s", "decode step ms: median [p10-p90]", "forward calls replayed",
               "same tokens"]
     rows = []
-    for peer in result["peers"]:
+    for peer in peers:
         if peer["error"]:
             rows.append([peer["name"], "-", peer["error"], "-", "-"])
             continue
         spread = peer["decode_step_ms"]
-        replayed = "n/a" if peer["replayed_calls"] is None else f"{peer['replayed_calls']}/{peer['forward_calls']}"
+        replayed, calls = peer["replayed_calls"], peer["forward_calls"]
+        share = "n/a" if replayed is None else f"{replayed}/{calls} ({replayed / calls:.0%})"
         first = "-" if peer["first_steady_s"] is None else f"{peer['first_steady_s']:.2f}"
         rows.append([peer["name"], first, f"{spread['median']:.3f} [{spread['p10']:.3f}-{spread['p90']:.3f}]",
-                     replayed, "reference" if peer["name"] == "eager" else ("yes" if peer["same_tokens"] else "NO")])
+                     share, "reference" if peer["name"] == "eager" else ("yes" if peer["same_tokens"] else "NO")])
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    lines += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
-    if result["note"]:
-        lines.append(f"NOTE: {result['note']}.")
-    return lines
+    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]

@@ -1,39 +1,143 @@
-"""Tiny random Hugging Face causal LMs for the wrap() and generate() tests (no checkpoint download)."""
+"""Tiny random Hugging Face models for the wrap() and generate() tests (no checkpoint download).
+
+``FAMILIES`` names a tiny config per model family (2 layers, hidden 32, vocab 128); sliding-window
+families get a window of ``WINDOW`` tokens, shorter than prompt + new tokens, so the window really
+slides while graphs replay. ``scripts/hf_families.py`` measures the README's table on the same models.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
 
 import torch
 
 VOCAB = 128
+WINDOW = 4  # sliding window of the sliding-window families
 GENERATE_MODELS = ["llama", "qwen2", "mistral", "gemma", "phi3", "gpt2"]
+# initializer_range=0.5: with the default 0.02 the logits are nearly flat and greedy decoding
+# collapses into one repeated token, hiding cache errors.
+DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.5, bos_token_id=1,
+               eos_token_id=1, pad_token_id=0)
+HYBRID = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.5, pad_token_id=0)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's tiny config: transformers' config and model class names, the config's fields."""
+
+    config: str
+    model: str
+    fields: Dict[str, Any] = field(default_factory=dict)
+    sliding: bool = False  # has sliding-window layers (window WINDOW)
+    inputs: str = "tokens"  # "tokens" (input_ids + attention_mask) or "audio" (Whisper's input_features)
+
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", DECODER),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", DECODER),
+    "qwen2-sliding": Family("Qwen2Config", "Qwen2ForCausalLM",
+                            dict(DECODER, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), True),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(DECODER, head_dim=8)),
+    "qwen3-moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", DECODER, True),  # default sliding_window=4096
+    "mistral-window": Family("MistralConfig", "MistralForCausalLM", dict(DECODER, sliding_window=WINDOW), True),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(DECODER, **MOE)),
+    "gemma": Family("GemmaConfig", "GemmaForCausalLM", dict(DECODER, head_dim=8)),
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", dict(DECODER, head_dim=8, **HYBRID), True),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(DECODER, head_dim=8, **HYBRID), True),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", DECODER),
+    "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", dict(DECODER, **HYBRID), True),
+    "olmo3": Family("Olmo3Config", "Olmo3ForCausalLM", dict(DECODER, **HYBRID), True),
+    "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM", dict(DECODER, **HYBRID), True),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", dict(DECODER, head_dim=8, **HYBRID, **MOE), True),
+    "deepseek-v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        DECODER, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8)),
+    "gpt2": Family("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, initializer_range=0.5, bos_token_id=1,
+        eos_token_id=1)),
+    "gpt-neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", DECODER),
+    "opt": Family("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, word_embed_proj_dim=32, init_std=0.5, bos_token_id=1, eos_token_id=1,
+        pad_token_id=0)),
+    "falcon": Family("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.5,
+        bos_token_id=1, eos_token_id=1, pad_token_id=0)),
+    "bloom": Family("BloomConfig", "BloomForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5, bos_token_id=1,
+        eos_token_id=1, pad_token_id=0)),
+    "t5": Family("T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, initializer_factor=16.0,
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)),
+    "bart": Family("BartConfig", "BartForConditionalGeneration", dict(
+        SEQ2SEQ, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+        forced_eos_token_id=None)),
+    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", dict(
+        SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=64, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None), inputs="audio"),
+}
+
+
+def tiny_model(family: str, device: str = "cpu", **fields: Any) -> torch.nn.Module:
+    """The family's tiny model with random weights (seed 0), in eval mode; ``fields`` override the config's."""
+    import transformers
+
+    spec = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, spec.config)(**{**spec.fields, **fields})
+    return getattr(transformers, spec.model)(config).to(device).eval()
+
+
+def family_inputs(family: str, batch: int, length: int = 5, seed: int = 1, padded_rows: int = 1) -> Dict[str, Any]:
+    """generate()'s inputs: token prompts whose first ``padded_rows`` rows are left-padded (pad id 0,
+    masked out), or Whisper's random log-mel features."""
+    generator = torch.Generator().manual_seed(seed)
+    if FAMILIES[family].inputs == "audio":
+        return dict(input_features=torch.randn(batch, 8, 32, generator=generator))
+    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(min(padded_rows, batch - 1)):
+        mask[row, : row + 1] = 0
+        ids[row, : row + 1] = 0
+    return dict(input_ids=ids, attention_mask=mask)
 
 
 def tiny_causal_lm(kind: str, device: str = "cpu") -> torch.nn.Module:
-    """A 2-layer random causal LM. initializer_range=0.5: with the default 0.02 the logits are
-    nearly flat and greedy decoding collapses into one repeated token, hiding cache errors."""
-    import transformers
-
-    torch.manual_seed(0)
+    """The wrap() tests' 2-layer causal LMs (hidden 64). Mistral without a sliding window: the plain
+    ``wrap(model.forward)`` form cannot replay transformers' sliding-window cache layer (it keeps a
+    Python counter; capture fails with RebindError and the steps run eagerly)."""
     if kind == "gpt2":
-        # GPT-2 supports StaticCache in transformers 5.x (learned positions from position_ids).
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                         initializer_range=0.5, bos_token_id=1, eos_token_id=1)
-        return transformers.GPT2LMHeadModel(config).to(device).eval()
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  initializer_range=0.5, bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    if kind == "mistral":
-        # No sliding window: a sliding-window StaticCache layer keeps a Python int counter, which a
-        # graph cannot advance (its capture fails with RebindError and the steps run eagerly).
-        common["sliding_window"] = None
+        return tiny_model(kind, device, n_embd=64)
+    fields: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128)
     if kind == "gemma":
-        common["head_dim"] = 16
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-    }
-    config_cls, model_cls = classes[kind]
-    return model_cls(config_cls(**common)).to(device).eval()
+        fields["head_dim"] = 16
+    if kind == "mistral":
+        fields["sliding_window"] = None
+    return tiny_model(kind, device, **fields)
+
+
+def keys_at(names: Any, layout: int, batch: int) -> List[str]:
+    """The keys among ``names`` for ``batch`` rows in layout ``layout`` (0: the first), whatever their kind is named
+    (``decode/bs=2``, ``layout1:decode/bs=2``)."""
+    prefix = f"layout{layout}:" if layout else ""
+    return [name for name in names
+            if name.startswith(prefix) and name.endswith(f"/bs={batch}") and (layout or ":" not in name)]
+
+
+def failure_of(stats: Dict[str, Any], layout: int, batch: int) -> str:
+    """Why the capture of the key for ``batch`` rows in layout ``layout`` failed (``stats()["failed_keys"]``)."""
+    (key,) = keys_at(stats["failed_keys"], layout, batch)
+    return stats["failed_keys"][key]
+
+
+def captured_at(stats: Dict[str, Any], layout: int, batch: int) -> bool:
+    """Whether layout ``layout`` has a graph recorded for ``batch`` rows."""
+    return bool(keys_at(stats["captured_keys"], layout, batch))

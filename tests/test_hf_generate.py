@@ -162,5 +162,17 @@ def test_the_cache_pool_reuses_a_cache_per_shape_and_lets_the_oldest_go():
     assert pool(batch_size=5, max_cache_len=16, **request) is not first
     pool(batch_size=2, max_cache_len=16, **request)  # a third shape: the least recently used (3 rows) goes
     assert pool(batch_size=3, max_cache_len=16, **request) is not first and len(made) == 4
-    encoder = dict(request, model_kwargs={"encoder_outputs": object()})
-    assert pool(batch_size=2, max_cache_len=16, **encoder) is not pool(batch_size=2, max_cache_len=16, **encoder)
+
+
+def test_encoder_decoder_caches_are_reused_per_encoder_length():
+    """The cross-attention cache is sized to the encoder output: a cache is reused for the same length only."""
+    pool = StaticCachePool(lambda **request: CacheStub())
+
+    def cache_for(encoder_length):
+        encoder_outputs = (torch.zeros(2, encoder_length, 8),)  # generate() passes a ModelOutput: [0] is its states
+        return pool(cache_implementation="static", batch_size=2, max_cache_len=16, prefill_chunk_size=None,
+                    model_kwargs={"encoder_outputs": encoder_outputs})
+
+    first = cache_for(7)
+    assert cache_for(7) is first and first.resets == 1
+    assert cache_for(9) is not first

@@ -4,6 +4,9 @@ that imports it back (docs/ARCHITECTURE.md: the core never imports a feature's i
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -47,3 +50,12 @@ def test_the_check_detects_a_cycle():
     except CycleError:
         return
     raise AssertionError("staging <-> pools.buffers should be a cycle")
+
+
+def test_importing_graphrt_and_its_hugging_face_front_does_not_import_transformers():
+    """transformers is a test and bench dependency: graphrt.hf imports graphrt.hf_cache's transformers-backed
+    modules only inside the functions that need them."""
+    code = "import sys, graphrt, graphrt.hf; print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]"

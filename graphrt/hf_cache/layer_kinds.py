@@ -1,0 +1,149 @@
+"""Which Hugging Face cache layers graphrt can replay, and the swap that makes a StaticCache graph-safe.
+
+A replayed step runs no Python, so a cache layer replays only if its ``update()`` keeps all its
+state in tensors written in place. The kinds graphrt knows, by exact class (a subclass may change
+anything):
+
+* ``StaticLayer``: the count and the keys/values are tensors written in place; replays as is.
+* ``DummyLayer``: holds nothing (shared-KV and attention-free layers).
+* ``StaticSlidingWindowLayer``: keeps a Python int it branches on; replaced by
+  ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf_cache.window_layers), as long as
+  those replacements answer like transformers' layer on a scripted sequence in this process.
+
+A graph-safe cache also reorders beams in place: transformers' ``reorder_cache`` (beam search, between
+steps) rebinds every layer's keys and values to new tensors, which a graph recorded before would never
+read again.
+
+Any other kind is named in graph_generate()'s warning. Its steps are recorded as they are (a
+step that changes its Python state fails capture, naming the layer's class, and runs eagerly),
+and its caches are not reused across ``generate()`` calls: Python state that ``reset()`` puts
+back could send a reused cache's first steps down another path than the one recorded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
+
+from graphrt.hf_cache.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
+
+GRAPH_SAFE = (StaticLayer, DummyLayer, CacheLongWindowLayer, SlidingRingLayer)
+SUPPORTED_NAMES = "StaticLayer, DummyLayer, StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"
+
+
+@dataclass
+class LayerKinds:
+    """The layer classes of one cache that graphrt cannot graph: which layers, and why."""
+
+    unsupported: Dict[str, List[str]] = field(default_factory=dict)  # class name -> layers ("3", "cross 0")
+    reasons: Dict[str, str] = field(default_factory=dict)  # class name -> why it cannot be graphed
+
+    def describe(self) -> str:
+        """Per unsupported kind: its class, its layers, why."""
+        return "; ".join(f"{name} (layers {', '.join(layers)}): {self.reasons[name]}"
+                         for name, layers in self.unsupported.items())
+
+
+def cache_layers(cache: Any) -> List[Tuple[str, Any]]:
+    """(name, layer) of every layer of a transformers cache: an encoder-decoder cache's self-attention
+    layers by index, then its cross-attention layers as ``cross <index>``."""
+    self_attention = getattr(cache, "self_attention_cache", cache)
+    layers = [(str(index), layer) for index, layer in enumerate(getattr(self_attention, "layers", ()))]
+    cross = getattr(cache, "cross_attention_cache", None)
+    layers += [(f"cross {index}", layer) for index, layer in enumerate(getattr(cross, "layers", ()))]
+    return layers
+
+
+def window_mismatch() -> Optional[str]:
+    """Why StaticSlidingWindowLayer is not replaced in this process: where a replacement answered otherwise
+    than transformers' layer on the scripted sequence (both replacements are checked: the kind is
+    supported or not as a whole)."""
+    return ring_mismatch() or cache_long_mismatch()
+
+
+def layer_kinds(cache: Any) -> LayerKinds:
+    """The layers of ``cache`` that graphrt cannot graph (sliding-window layers count as supported
+    while their replacements check out)."""
+    kinds = LayerKinds()
+    for name, layer in cache_layers(cache):
+        kind = type(layer)
+        reason = None
+        if kind is StaticSlidingWindowLayer:
+            mismatch = window_mismatch()
+            if mismatch is not None:
+                reason = f"its behaviour here differs from graphrt's graph-safe replacement ({mismatch})"
+        elif kind not in GRAPH_SAFE:
+            reason = f"not a kind graphrt knows to replay (it knows {SUPPORTED_NAMES})"
+        if reason is not None:
+            kinds.unsupported.setdefault(kind.__name__, []).append(name)
+            kinds.reasons[kind.__name__] = reason
+    return kinds
+
+
+def configured_windows(config: Any, layers: int) -> List[Optional[int]]:
+    """The sliding window each layer is configured with (None: not sliding, or not known), from the model's config."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        windows = [kwargs.get("sliding_window") for kwargs in per_layer]
+    except Exception:  # another transformers version, or no config: every window is taken to slide
+        return [None] * layers
+    return windows if len(windows) == layers else [None] * layers
+
+
+class InPlaceBeamReorder:
+    """``cache.reorder_cache`` of a graph-safe cache: every layer's keys and values reordered along the batch
+    in place, so the tensors graphs read stay the cache's (holds the cache weakly: no reference cycle)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = weakref.ref(cache)
+
+    def __call__(self, beam_idx: torch.Tensor) -> None:
+        cache = self.cache()
+        for _, layer in cache_layers(cache):
+            if getattr(layer, "keys", None) is None:  # not initialized yet, or a DummyLayer
+                continue
+            index = beam_idx.to(layer.keys.device)
+            layer.keys.copy_(layer.keys.index_select(0, index))
+            layer.values.copy_(layer.values.index_select(0, index))
+
+
+def make_graph_safe(cache: Any, config: Any = None) -> Any:
+    """Replace, in place, the StaticSlidingWindowLayers of ``cache`` (a transformers StaticCache, or the
+    self-attention side of an EncoderDecoderCache) by graph-safe layers of the same window, and make its
+    beam reordering in place; returns ``cache``.
+
+    A window that cannot slide before the cache is full becomes a CacheLongWindowLayer: one as long as
+    the cache's full-attention layers (they run out of room first), or, given the model's ``config``,
+    one cut to the cache's length (its configured window is longer). Any other window slides: a
+    SlidingRingLayer, which also slides past the cache's length as transformers' layer does.
+    """
+    if callable(getattr(cache, "reorder_cache", None)):
+        cache.reorder_cache = InPlaceBeamReorder(cache)
+    if window_mismatch() is not None:
+        return cache  # graph_generate() warned; the layers stay transformers' (their capture fails, named)
+    owner = getattr(cache, "self_attention_cache", cache)
+    layers = list(getattr(owner, "layers", ()))
+    full_lengths = {layer.max_cache_len for layer in layers if type(layer) is StaticLayer}
+    windows = configured_windows(config, len(layers))
+    for index, layer in enumerate(layers):
+        if type(layer) is not StaticSlidingWindowLayer:
+            continue
+        window = windows[index]
+        cut_to_cache = window is not None and layer.max_cache_len < window
+        never_slides = layer.max_cache_len in full_lengths or cut_to_cache
+        replacement = (CacheLongWindowLayer if never_slides else SlidingRingLayer)(max_cache_len=layer.max_cache_len)
+        if layer.is_initialized:  # early-initialized (chunked prefill): allocate the same buffers now
+            replacement.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+        owner.layers[index] = replacement
+    return cache
+
+
+__all__ = ["GRAPH_SAFE", "InPlaceBeamReorder", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
+           "make_graph_safe"]
