@@ -141,9 +141,11 @@ def agreement_group(group: Any, cpu_group: Optional[Any] = None) -> Any:
     """
     ranks = dist.get_process_group_ranks(group)
     if cpu_group is not None:
+        if cpu_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"cpu_group: expected the ranks of process_group {ranks}, got a group without this rank")
         if dist.get_backend(cpu_group) == "nccl":
             raise ValueError("cpu_group: expected a group that reduces host tensors (gloo), got an NCCL group")
-        if dist.get_process_group_ranks(cpu_group) != ranks:
+        if sorted(dist.get_process_group_ranks(cpu_group)) != sorted(ranks):
             raise ValueError(f"cpu_group: expected the ranks of process_group {ranks}, "
                              f"got {dist.get_process_group_ranks(cpu_group)}")
         return cpu_group
@@ -171,6 +173,7 @@ class Lockstep:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.cpu_group = agreement_group(group, cpu_group)
+        self._cpu_rank = dist.get_rank(self.cpu_group)
         self.bind_keys(())
 
     def agree_sizes(self, sizes: Sequence[int], config: Any) -> List[int]:
@@ -230,7 +233,8 @@ class Lockstep:
 
         One all-reduce MAX of ``[failed, key, -key]``: the ranks also check that they are at the
         same key (else RuntimeError on every rank: their captures are out of step). Only when some
-        rank failed, one ``all_gather_object`` of the errors, so the reason names each rank.
+        rank failed, one ``all_gather_object`` of the errors, so the reason names each failed rank
+        (its global rank) and its error.
         """
         ident = key_id(entry.key)
         with torch.inference_mode(False):
@@ -246,8 +250,8 @@ class Lockstep:
         mine = None if error is None else f"{type(error).__name__}: {error}"
         with torch.inference_mode(False):
             dist.all_gather_object(errors, mine, group=self.cpu_group)
-        peers = [f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None and rank != self.rank]
+        peers = [f"rank {dist.get_global_rank(self.cpu_group, index)}: {text}"
+                 for index, text in enumerate(errors) if text is not None and index != self._cpu_rank]
         if not peers:
             return None
-        logger.warning("rank %d: %s of %s failed on another rank, so it fails here too", self.rank, phase, entry.key)
         return PeerCaptureError(f"{phase} of {entry.key} failed on " + "; ".join(peers))
