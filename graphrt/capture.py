@@ -11,7 +11,9 @@ full and piecewise keys, each ``wrap()`` layout) and whatever the backend:
    outputs and state writes are compared; both runs are undone.
 
 A key whose capture or verification fails is marked so (its steps run eagerly, with the reason);
-the other keys go on.
+the other keys go on. With an ``agree`` hook (lockstep across ranks), every rank reports each
+phase's outcome after it, and a key that failed on any rank is marked failed on every rank before
+the next phase, whose collectives the failed rank would not run.
 """
 
 from __future__ import annotations
@@ -88,20 +90,36 @@ class CaptureReport:
 
 # Bytes a capture may copy to undo writes it cannot narrow to rows (opaque ops writing a whole tensor).
 WHOLE_SAVE_BUDGET = 16 << 20
+# Every rank calls it after each phase of a key's capture ("prepare", "capture", "verify") with its own
+# error (None: the phase succeeded here); it returns the error to fail the key with because the phase
+# failed on another rank, else None. GraphRunner passes Lockstep.agree_capture in lockstep.
+PhaseAgreement = Callable[[GraphEntry, str, Optional[Exception]], Optional[Exception]]
 
 
 class KeyCapture:
     """Captures the keys of a registry through one backend (``warmup_iters`` warm-up calls each).
     ``scratch``: the storages a capture writes only at rows no request owns (it stages pad values
-    first), never copied to undo those writes."""
+    first), never copied to undo those writes. ``compiled``: the step calls a torch.compile'd
+    callable, compiled for each key before its capture. ``agree``: the ranks' agreement after each
+    phase (lockstep), None for a single process."""
 
     def __init__(self, backend: GraphBackend, warmup_iters: int = 2, verify: bool = True,
-                 scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset, compiled: bool = False) -> None:
+                 scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset, compiled: bool = False,
+                 agree: Optional[PhaseAgreement] = None) -> None:
         self.backend = backend
         self.warmup_iters = warmup_iters
         self.verify = verify
         self.scratch = scratch
-        self.compiled = compiled  # the step calls a torch.compile'd callable: compile each key before capture
+        self.compiled = compiled
+        self.agree = agree
+
+    def _agreed(self, entry: GraphEntry, phase: str, error: Optional[Exception]) -> Optional[Exception]:
+        """This rank's error of ``phase``, else (with ``agree``) another rank's: every rank then
+        marks the key alike and skips the next phase together."""
+        if self.agree is None:
+            return error
+        peer_error = self.agree(entry, phase, error)
+        return error if error is not None else peer_error
 
     def capture_all(self, registry: GraphRegistry, before_capture: Optional[Callable[[GraphEntry], None]] = None,
                     progress: bool = True) -> CaptureReport:
@@ -115,10 +133,14 @@ class KeyCapture:
                 pending = tqdm(pending, desc=f"capturing {self.backend.name} graphs")
             for entry in pending:
                 start = time.perf_counter()
+                error: Optional[Exception] = None
                 try:
                     if before_capture is not None:
                         before_capture(entry)
-                except Exception as error:  # a failed capture disables only this key
+                except Exception as caught:  # a failed capture disables only this key
+                    error = caught
+                error = self._agreed(entry, "prepare", error)
+                if error is not None:
                     registry.mark_failed(entry, error)
                 else:
                     self.capture_entry(registry, entry, self.warmup_iters)
@@ -136,23 +158,30 @@ class KeyCapture:
         if entry.record is not None:
             record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
         journal = StateJournal(self.scratch(), WHOLE_SAVE_BUDGET)
+        error: Optional[Exception] = None
         try:
             if self.compiled:
                 compile_warmup(self.backend, step, journal)
             graph = capture_graph(self.backend, step, warmup_iters, record, journal)
             check_devices(entry, graph, self.backend.graph_device)
-        except Exception as error:  # a failed capture disables only this key
+        except Exception as caught:  # a failed capture disables only this key
+            error = caught
+        error = self._agreed(entry, "capture", error)
+        if error is not None:
             registry.mark_failed(entry, error, then=then)
             return False
         if self.verify:
             start = time.perf_counter()
             try:
                 verify_graph(graph, step, same_value, journal)
-            except Exception as error:  # a mismatch (VerifyError) or a replay that raised: this key only
-                registry.mark_failed(entry, error, GraphStatus.VERIFY_FAILED, then)
-                return False
+            except Exception as caught:  # a mismatch (VerifyError) or a replay that raised: this key only
+                error = caught
             finally:
                 entry.verify_seconds = time.perf_counter() - start
+            error = self._agreed(entry, "verify", error)
+            if error is not None:
+                registry.mark_failed(entry, error, GraphStatus.VERIFY_FAILED, then)
+                return False
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad)
         return True
 

@@ -41,6 +41,8 @@ class RunnerConfig:
     ``token_to_kv_pool``); the graphs are bound to them.
     ``pad_values``: the fill of padding rows per staged field (seq_lens >= 1).
     ``process_group``: run every step in lockstep with the other ranks (docs/DISTRIBUTED.md).
+    ``cpu_group``: the gloo group of the same ranks the lockstep agreements run on (default: the
+    process group if it is gloo, else one created at construction).
     ``ubatch``: split DECODE batches above the largest capture size into micro-batches that
     replay captured graphs (merged in order) instead of running eagerly.
     ``debug``: check values and guard outputs against staleness (default: ``GRAPHRT_DEBUG``).
@@ -78,6 +80,7 @@ class RunnerConfig:
     histogram: Optional[Union[Mapping[Any, Any], str, os.PathLike]] = None
     max_graphs: Optional[int] = None
     process_group: Optional[Any] = None
+    cpu_group: Optional[Any] = None
     ubatch: Optional[UBatchConfig] = None
     splitting_ops: Sequence[SplittingOpSpec] = ()
     piecewise_sizes: Optional[Sequence[int]] = None
@@ -90,6 +93,8 @@ class RunnerConfig:
             if type(value) is not int or value < least:
                 raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
         resolve_backend_name(self.backend)
+        if self.cpu_group is not None and self.process_group is None:
+            raise ValueError("cpu_group: expected None without process_group (it carries the lockstep agreements)")
         self._set("modes", tuple(ForwardMode(mode) for mode in self.modes))
         self._set("capture_sizes", self._checked_capture_sizes())
         self._set("extend_capture_sizes", self._checked_extend_sizes())

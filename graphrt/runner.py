@@ -72,7 +72,7 @@ class GraphRunner:
         self._stats = RuntimeStats()
         if config.histogram is not None:
             self._stats.merge_histogram(config.histogram)
-        self.lockstep = Lockstep(config.process_group, self.device) if config.process_group is not None else None
+        self.lockstep = Lockstep(config.process_group, config.cpu_group) if config.process_group is not None else None
         self.capture_sizes = self._agreed(self._initial_sizes())
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
@@ -80,7 +80,8 @@ class GraphRunner:
         self.backend = make_backend(self.backend_name, self.device)
         self.registry = GraphRegistry(config.copy_outputs, self.debug)
         self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages,
-                                   is_compiled(model))
+                                   is_compiled(model),
+                                   agree=self.lockstep.agree_capture if self.lockstep is not None else None)
         self._stagers = {False: DecodeStager(self.buffers, self.context)}
         if "extend_start_loc" in self.buffers.slots:
             self._stagers[True] = ExtendStager(self.buffers, self.context)
@@ -113,11 +114,13 @@ class GraphRunner:
         return sizes
 
     def _agreed(self, sizes: List[int]) -> List[int]:
-        """In lockstep, rank 0's capture sizes (every rank must shape the same graph keys)."""
+        """In lockstep, rank 0's capture sizes (every rank must shape the same graph keys, and run
+        the same collectives while capturing them: warm-up calls and verification too)."""
         if self.lockstep is None:
             return sizes
         config = self.config
-        shape = config.max_batch_size, [mode.name for mode in config.modes], config.extend_grid
+        shape = (config.max_batch_size, [mode.name for mode in config.modes], config.extend_grid,
+                 config.warmup_iters, config.verify)
         return self.lockstep.agree_sizes(sizes, shape)
 
     def _modes_with_graphs(self) -> tuple:

@@ -7,6 +7,12 @@ tensor, on the padded size (the maximum over ranks of real tokens and requests),
 mode, whether some rank must run eagerly, and which graph keys are not ready on some rank.
 Ranks with no work take part with an all-padding step of the agreed size.
 
+Every agreement runs on a CPU (gloo) group, whatever backend the model's collectives use: a host
+tensor reduced on the host never waits for the device's queue, so a step never synchronizes with
+the previous replay. At capture, the ranks agree after each phase of each key
+(``Lockstep.agree_capture``), so a key that fails on one rank fails on every rank and no rank runs
+the collectives of a phase the others skip.
+
 Tensor layout: ``[tokens, requests, must_eager, mode, -mode, not_ready(key) for each key]``.
 An idle rank sends mode 0 and ``-mode`` = ``NO_MODE``, so after the MAX ``mode`` is the largest
 and ``-(-mode)`` the smallest mode among working ranks: they differ only if working ranks disagree.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
@@ -121,47 +128,86 @@ class StepAgreement:
         return decision
 
 
-class Lockstep:
-    """The collectives of one runner's process group: configuration at build/retune, one all-reduce per step."""
+class PeerCaptureError(RuntimeError):
+    """A phase of a key's capture failed on another rank, so the key fails here too."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+
+def agreement_group(group: Any, cpu_group: Optional[Any] = None) -> Any:
+    """The gloo group the ranks of ``group`` agree on: ``cpu_group`` if given (same ranks, not
+    NCCL), ``group`` itself if it is gloo, else a new gloo group over ``group``'s ranks.
+
+    Creating a group is collective: every rank of ``group`` must reach this call (build its
+    runner) at the same point, after creating the same groups before it.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    if cpu_group is not None:
+        if cpu_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"cpu_group: expected the ranks of process_group {ranks}, got a group without this rank")
+        if dist.get_backend(cpu_group) == "nccl":
+            raise ValueError("cpu_group: expected a group that reduces host tensors (gloo), got an NCCL group")
+        if sorted(dist.get_process_group_ranks(cpu_group)) != sorted(ranks):
+            raise ValueError(f"cpu_group: expected the ranks of process_group {ranks}, "
+                             f"got {dist.get_process_group_ranks(cpu_group)}")
+        return cpu_group
+    if dist.get_backend(group) == "gloo":
+        return group
+    # Only the members call new_group (non-members of a data-parallel subgroup build no runner here).
+    created = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    logger.info("lockstep: created a gloo group over ranks %s for the per-step agreement", ranks)
+    return created
+
+
+def key_id(key: GraphKey) -> int:
+    """A number naming ``key`` identically in every process (``hash`` of a str is salted per process)."""
+    return zlib.crc32(str(key).encode())
+
+
+class Lockstep:
+    """The agreements of one runner's ranks, on a CPU (gloo) group: configuration at build/retune,
+    one per phase of each key's capture, one all-reduce per step."""
+
+    def __init__(self, group: Any, cpu_group: Optional[Any] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("process_group: torch.distributed is not initialized (call init_process_group first)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        # NCCL reduces device tensors (one host sync per step to read the result); gloo reduces host tensors.
-        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self.cpu_group = agreement_group(group, cpu_group)
+        self._cpu_rank = dist.get_rank(self.cpu_group)
         self.bind_keys(())
 
     def agree_sizes(self, sizes: Sequence[int], config: Any) -> List[int]:
         """Rank 0's capture sizes, adopted by every rank; ValueError on all ranks if ``config`` differs.
 
-        ``config`` is everything else that shapes the graph keys (max batch size, modes, extend
-        sizes). One ``all_gather_object``, at build and retune time only.
+        ``config`` is everything else that shapes the graph keys and the collectives of their
+        capture (max batch size, modes, extend sizes, warm-up calls, verification). One
+        ``all_gather_object`` on the CPU group, at build and retune time only.
         """
         gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (list(sizes), config), group=self.group)
+        with torch.inference_mode(False):  # gloo's worker threads may not see inference mode (pytorch#126032)
+            dist.all_gather_object(gathered, (list(sizes), config), group=self.cpu_group)
         configs = [item[1] for item in gathered]
         if any(item != configs[0] for item in configs):
-            raise ValueError(f"process_group: ranks disagree on max_batch_size/modes/extend_capture_sizes: {configs}")
+            raise ValueError("process_group: ranks disagree on max_batch_size/modes/extend_capture_sizes/"
+                             f"warmup_iters/verify: {configs}")
         chosen = list(gathered[0][0])
         if chosen != list(sizes):
             logger.warning("rank %d: capture sizes %s replaced by rank 0's %s", self.rank, list(sizes), chosen)
         return chosen
 
     def bind_keys(self, keys: Sequence[GraphKey]) -> None:
-        """Preallocate the per-step tensor for these graph keys (same keys, same order, on every rank)."""
+        """Preallocate the per-step host tensor for these graph keys (same keys, same order, on every
+        rank), outside inference mode so that gloo may write it from its worker threads."""
         self._keys: Tuple[GraphKey, ...] = tuple(sorted(keys))
-        pinned = self.device.type == "cuda"
-        self._host = torch.zeros(HEADER + len(self._keys), dtype=torch.int64, pin_memory=pinned)
+        with torch.inference_mode(False):
+            self._host = torch.zeros(HEADER + len(self._keys), dtype=torch.int64)
         self._values = self._host.numpy()
-        self._reduced = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
 
     def agree_step(
         self, batch: Optional[ForwardBatch], must_eager: bool, entries: Mapping[GraphKey, GraphEntry]
     ) -> StepAgreement:
-        """The one collective of a step: all-reduce MAX of sizes, mode, eager flag and key readiness."""
+        """The one collective of a step: all-reduce MAX, on the CPU group, of sizes, mode, eager flag
+        and key readiness. No device tensor, no copy, no wait for the device."""
         values = self._values
         if batch is None:
             values[:HEADER] = (0, 0, 0, 0, NO_MODE)
@@ -169,12 +215,7 @@ class Lockstep:
             mode = int(batch.forward_mode)
             values[:HEADER] = (batch.num_tokens, batch.batch_size, int(must_eager), mode, -mode)
         values[HEADER:] = [entries[key].status is not GraphStatus.READY for key in self._keys]
-        if self._reduced is self._host:
-            dist.all_reduce(self._host, op=dist.ReduceOp.MAX, group=self.group)
-        else:
-            self._reduced.copy_(self._host, non_blocking=True)
-            dist.all_reduce(self._reduced, op=dist.ReduceOp.MAX, group=self.group)
-            self._host.copy_(self._reduced)
+        dist.all_reduce(self._host, op=dist.ReduceOp.MAX, group=self.cpu_group)
         num_tokens, num_reqs, any_eager, high, low = (int(value) for value in values[:HEADER])
         if high == 0:
             return StepAgreement(None, 0, 0, False, frozenset())
@@ -185,3 +226,32 @@ class Lockstep:
             )
         unready = frozenset(self._keys[i] for i in np.flatnonzero(values[HEADER:]))
         return StepAgreement(ForwardMode(high), num_tokens, num_reqs, bool(any_eager), unready)
+
+    def agree_capture(self, entry: GraphEntry, phase: str, error: Optional[Exception]) -> Optional[Exception]:
+        """After one phase of ``entry``'s capture (every rank calls it, ``error`` is this rank's):
+        the error to fail the key with because the phase failed on another rank, else None.
+
+        One all-reduce MAX of ``[failed, key, -key]``: the ranks also check that they are at the
+        same key (else RuntimeError on every rank: their captures are out of step). Only when some
+        rank failed, one ``all_gather_object`` of the errors, so the reason names each failed rank
+        (its global rank) and its error.
+        """
+        ident = key_id(entry.key)
+        with torch.inference_mode(False):
+            flags = torch.tensor([error is not None, ident, -ident], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        failed, high, low = flags.tolist()
+        if high != -low:
+            raise RuntimeError(f"capture: rank {self.rank} is at {entry.key} ({phase}) and another rank at another "
+                               "key; every rank must capture the same keys in the same order")
+        if not failed:
+            return None
+        errors: List[Optional[str]] = [None] * self.world_size
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        with torch.inference_mode(False):
+            dist.all_gather_object(errors, mine, group=self.cpu_group)
+        peers = [f"rank {dist.get_global_rank(self.cpu_group, index)}: {text}"
+                 for index, text in enumerate(errors) if text is not None and index != self._cpu_rank]
+        if not peers:
+            return None
+        return PeerCaptureError(f"{phase} of {entry.key} failed on " + "; ".join(peers))
