@@ -41,6 +41,7 @@ class CheckFailed(AssertionError):
 
 
 def expect(ok: bool, message: str) -> None:
+    """Fail the check with ``message`` unless ``ok``."""
     if not ok:
         raise CheckFailed(message)
 
@@ -91,16 +92,19 @@ def decode_batch(size: int, device: str, seed: int = 0) -> ForwardBatch:
 
 
 def eager(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor:
+    """The model on ``batch`` without graphs: the reference every replay is compared with."""
     with torch.no_grad():
         return model(batch.input_ids, batch.positions, batch)
 
 
 def runner_for(model: torch.nn.Module, device: str, sizes: List[int]) -> GraphRunner:
+    """A decode runner on the CUDA backend capturing ``sizes`` (static tensors on ``device``)."""
     return GraphRunner(model, max_batch_size=max(sizes), capture_sizes=sizes, backend="cuda", device=device,
                        progress=False)
 
 
 def key_names(runner: GraphRunner, status: GraphStatus) -> List[str]:
+    """The runner's keys in ``status``, by name."""
     return sorted(str(key) for key, entry in runner.registry.entries.items() if entry.status is status)
 
 
@@ -123,6 +127,7 @@ def replay_equal_eager(runner: GraphRunner, model: torch.nn.Module, device: str,
 
 
 def allocator_bytes(device: str) -> Dict[str, int]:
+    """The caching allocator's current allocated and reserved bytes."""
     stats = torch.cuda.memory_stats(device)
     return {name: stats.get(f"{name}_bytes.all.current", 0) for name in ("allocated", "reserved")}
 

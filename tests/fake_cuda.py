@@ -112,11 +112,13 @@ class FakeAllocator:
         self.asserts: List[str] = []  # every INTERNAL ASSERT hit, raised or not
 
     def internal_assert(self, ok: bool, message: str) -> None:
+        """TORCH_INTERNAL_ASSERT: raise, and keep the message (a caller may swallow the error)."""
         if not ok:
             self.asserts.append(message)
             raise InternalAssert(f"{message} INTERNAL ASSERT FAILED (fake CUDACachingAllocator)")
 
     def create_or_incref_pool(self, pool_id: PoolId) -> None:
+        """A new pool (use_count 1), or one more reference on a pool that must still be referenced."""
         pool = self.graph_pools.get(pool_id)
         if pool is None:
             self.graph_pools[pool_id] = PrivatePool(pool_id)
@@ -131,6 +133,7 @@ class FakeAllocator:
         self.captures_underway.append((pool_id, stream))
 
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
+        """endAllocateToPool: stop the routing to ``pool_id`` (TORCH_CHECK that one exists)."""
         for index, (underway, _) in enumerate(self.captures_underway):
             if underway == pool_id:
                 del self.captures_underway[index]
@@ -138,15 +141,18 @@ class FakeAllocator:
         raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     def host_begin(self, pool_id: PoolId) -> None:
+        """The pinned host allocator's begin_allocate_to_pool: one routing per id, no Python binding to end it."""
         if pool_id in self.host_underway:
             raise RuntimeError("beginAllocateToPool: already recording to pool_id")
         self.host_underway.append(pool_id)
 
     def host_end(self, pool_id: PoolId) -> None:
+        """The pinned host allocator's end_allocate_to_pool (only capture_end calls it)."""
         self.internal_assert(pool_id in self.host_underway, "it != captures_underway_.end() (host allocator)")
         self.host_underway.remove(pool_id)
 
     def release_pool(self, pool_id: PoolId) -> None:
+        """releasePool: one reference fewer; at 0 the pool is freeable, still registered under its id."""
         pool = self.graph_pools.get(pool_id)
         self.internal_assert(pool is not None, "it != graph_pools.end()")
         pool.use_count -= 1
@@ -173,9 +179,11 @@ class FakeAllocator:
                 del self.freeable[pool_id], self.graph_pools[pool_id]
 
     def reserved(self) -> int:
+        """Bytes the graph pools hold (no block reuse inside a pool is modelled)."""
         return sum(pool.reserved for pool in self.graph_pools.values())
 
     def allocated(self) -> int:
+        """Bytes of graph-pool tensors still alive."""
         return sum(size for pool in self.graph_pools.values() for block, size in pool.blocks if not block.expired())
 
 

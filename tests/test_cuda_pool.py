@@ -24,7 +24,9 @@ from typing import Dict, Optional
 
 import pytest
 import torch
-from fake_cuda import BEHAVIOURS, TORCH_2_11, TORCH_2_12, TORCH_RESET_RELEASES, FakeCuda, FakeCUDAGraph, InternalAssert, install
+from fake_cuda import (
+    BEHAVIOURS, TORCH_2_11, TORCH_2_12, TORCH_RESET_RELEASES, FakeCuda, FakeCUDAGraph, InternalAssert, install,
+)
 from piecewise_helpers import double_rows
 
 from graphrt import GraphRunner, wrap
@@ -66,11 +68,16 @@ def older_objects_frozen():
 
 @pytest.fixture(params=ENVIRONMENTS)
 def device(request, monkeypatch):
+    """Each scenario over the fake torch.cuda, once per PyTorch behaviour it models, and (marked
+    ``cuda``) on a GPU. Over the fake, the graphs the scenario left are freed at the end too: none
+    may release its pool twice (an abort on a GPU) or hit another assertion."""
     if request.param is None:
         yield Device(None)
         return
     with install(monkeypatch, request.param) as fake:
         yield Device(fake)
+        gc.collect()
+        assert fake.aborts == [] and fake.allocator.asserts == []
 
 
 @pytest.fixture
@@ -81,6 +88,7 @@ def checks(monkeypatch):
 
 
 def statuses(runner) -> Dict[str, GraphStatus]:
+    """Every key of the runner and its status, by name."""
     return {str(key): entry.status for key, entry in runner.registry.entries.items()}
 
 
@@ -90,6 +98,7 @@ def wrapped_entries(fast) -> Dict[int, GraphEntry]:
 
 
 def scale(x: torch.Tensor) -> torch.Tensor:
+    """A function of one batched tensor for ``wrap()``."""
     return x * 2 + 1
 
 
@@ -235,7 +244,8 @@ def test_graphs_without_weak_references_capture_each_in_a_fresh_pool(monkeypatch
 FEWER_STEPS = {"retune_after_failed_largest": {"steps": 12}, "invalidated_then_healthy": {"replays": 30}}
 
 
-@pytest.mark.parametrize("behaviour", [TORCH_2_11, TORCH_RESET_RELEASES], ids=["fake-torch-2.11", "fake-torch-pr190348"])
+@pytest.mark.parametrize("behaviour", [TORCH_2_11, TORCH_RESET_RELEASES],
+                         ids=["fake-torch-2.11", "fake-torch-pr190348"])
 @pytest.mark.parametrize("check", ["retune_after_failed_largest", "invalidated_then_healthy"])
 def test_the_gpu_checks_pass_over_the_fake(check, behaviour, checks, monkeypatch):
     with install(monkeypatch, behaviour) as fake:
@@ -247,6 +257,7 @@ def test_the_gpu_checks_pass_over_the_fake(check, behaviour, checks, monkeypatch
 # ---- the fake refuses what PyTorch refuses ------------------------------------------------------
 
 def capture_once(cuda: FakeCuda, pool, step=lambda: torch.ones(2) * 2) -> FakeCUDAGraph:
+    """One fake graph capturing ``step`` into ``pool`` on a side stream."""
     graph = FakeCUDAGraph()
     with cuda.stream(torch.cuda.Stream()):
         graph.capture_begin(pool=pool)
