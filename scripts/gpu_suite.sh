@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one command (for the device tool's `run`, or any CUDA box):
-# the cuda-marked tests (lockstep on a 1-rank NCCL group among them), then the benchmark on the tiny
-# and realistic reference models.
+# the cuda-marked tests (lockstep on a 1-rank NCCL group run on its own, verbosely), the graph-pool
+# checks (scripts/gpu_checks.py: each in a process of its own, one JSON line each, appended to the
+# test log), then the benchmark on the tiny and realistic reference models.
 # Writes at most 8 files to ${OUT:-gpu_out}: machine, test log, two bench logs, two JSON, two PNG.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ python3 -m pytest -m cuda -q -rs -p no:cacheprovider --deselect "$nccl_test" 2>&
   python3 -c "import torch, torch.cuda.nccl, torch.distributed as dist; print('nccl', torch.cuda.nccl.version() if dist.is_nccl_available() else None)"
   NCCL_DEBUG=WARN python3 -m pytest -q -rA -p no:cacheprovider "$nccl_test"
 } 2>&1 | tee -a "$out/pytest_cuda.log"
+python3 scripts/gpu_checks.py 2>&1 | tee -a "$out/pytest_cuda.log"
 for model in tiny realistic; do
   python3 scripts/bench.py --model "$model" --out "$out" 2>&1 | grep -v "it/s]" | tee "$out/bench_$model.log"
 done

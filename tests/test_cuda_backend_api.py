@@ -35,8 +35,18 @@ def fake_cuda(monkeypatch):
     main_stream = mock.create_autospec(torch.cuda.Stream, instance=True)
     graph_type = mock.create_autospec(torch.cuda.CUDAGraph)
     graph = graph_type.return_value
-    graph.capture_begin.side_effect = lambda **kwargs: events.append(("capture_begin", kwargs))
-    graph.capture_end.side_effect = lambda: events.append(("capture_end",))
+    capturing = []  # non-empty between capture_begin and capture_end
+
+    def begin(**kwargs):
+        events.append(("capture_begin", kwargs))
+        capturing.append(True)
+
+    def end():
+        events.append(("capture_end",))
+        capturing.clear()
+
+    graph.capture_begin.side_effect = begin
+    graph.capture_end.side_effect = end
     fakes = {
         "is_available": mock.create_autospec(torch.cuda.is_available, return_value=True),
         "graph_pool_handle": mock.create_autospec(torch.cuda.graph_pool_handle, return_value=(0, 1)),
@@ -46,6 +56,10 @@ def fake_cuda(monkeypatch):
         "synchronize": mock.create_autospec(torch.cuda.synchronize),
         "memory_reserved": mock.create_autospec(torch.cuda.memory_reserved, return_value=0),
         "CUDAGraph": graph_type,
+        "is_current_stream_capturing": mock.create_autospec(torch.cuda.is_current_stream_capturing,
+                                                            side_effect=lambda: bool(capturing)),
+        "current_device": mock.create_autospec(torch.cuda.current_device, return_value=0),
+        "empty_cache": mock.create_autospec(torch.cuda.empty_cache),
     }
     for name, fake in fakes.items():
         monkeypatch.setattr(torch.cuda, name, fake)
@@ -71,14 +85,15 @@ def test_capture_calls_match_torch_cuda_signatures_and_order(fake_cuda):
     side_stream.wait_stream.assert_called_with(fakes["main_stream"])
     fakes["main_stream"].wait_stream.assert_called_with(side_stream)
     graph_mock = fakes["CUDAGraph"].return_value
-    graph_mock.capture_begin.assert_called_once_with(pool=(0, 1))
+    graph_mock.capture_begin.assert_called_once_with(pool=(0, 1), capture_error_mode="thread_local")
     graph_mock.capture_end.assert_called_once_with()
     assert graph.replay == graph_mock.replay
     # Warm-ups run on the capture stream, each on the state as it was; their writes are undone before
     # capture begins.
     assert events == [
         ("enter stream", side_stream), ("step", 0), ("step", 0), ("exit stream", side_stream),
-        ("enter stream", side_stream), ("capture_begin", {"pool": (0, 1)}), ("step", 0),
+        ("enter stream", side_stream), ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"}),
+        ("step", 0),
         ("capture_end",), ("exit stream", side_stream),
     ]
 

@@ -185,7 +185,7 @@ def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa:
         graph.replay()
     finally:
         OP_CALLS.clear()
-    begin = ("capture_begin", {"pool": (0, 1)})
+    begin = ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"})
     assert events == [
         ("enter stream", side_stream), ("splitting op",), ("exit stream", side_stream),  # warm-up
         ("enter stream", side_stream), begin, ("capture_end",), ("splitting op",), begin, ("capture_end",),
