@@ -32,6 +32,7 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 
 from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.compiled import eager_stance
+from graphrt.debug import GenerationCounter
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus, KeyKind
 
@@ -49,6 +50,7 @@ class KeyReport:
     reason: Optional[str] = None
     verify_seconds: float = 0.0  # part of ``seconds``: the eager run and replay that verified the graph
     pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
+    output_bytes: int = 0  # the key's output tensors (memory the keys of one pool share)
 
 
 @dataclass
@@ -71,20 +73,30 @@ class CaptureReport:
 
     @property
     def pool_bytes(self) -> int:
+        """The pool's growth over the capture: the keys share their output memory, so about the
+        largest key's outputs and intermediates, not their sum."""
         return sum(report.pool_bytes or 0 for report in self.keys)
+
+    @property
+    def output_bytes(self) -> int:
+        """The keys' output bytes added up: what the pool would hold if no key shared another's memory."""
+        return sum(report.output_bytes for report in self.keys)
 
     @property
     def verify_seconds(self) -> float:
         return sum(report.verify_seconds for report in self.keys)
 
     def __str__(self) -> str:
-        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'pool MiB':>9} {'pieces':>6}  reason"]
+        lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'out MiB':>8} {'pool MiB':>9} {'pieces':>6}"
+                 "  reason"]
         for report in self.keys:
             pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
             status = "ok" if report.ok else "failed"
             pieces = "-" if report.pieces is None else str(report.pieces)
             lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {report.verify_seconds:>8.3f} "
-                         f"{pool:>9} {pieces:>6}  {report.reason or ''}")
+                         f"{report.output_bytes / 2**20:>8.2f} {pool:>9} {pieces:>6}  {report.reason or ''}")
+        lines.append(f"{'pool total':<28} {'':<8} {self.seconds:>8.3f} {self.verify_seconds:>8.3f} "
+                     f"{self.output_bytes / 2**20:>8.2f} {self.pool_bytes / 2**20:>9.2f}")
         return "\n".join(lines)
 
 
@@ -112,6 +124,7 @@ class KeyCapture:
         self.scratch = scratch
         self.compiled = compiled
         self.agree = agree
+        self.pool_replays = GenerationCounter()  # replays of the graphs in this backend's pool (debug guard)
 
     def _agreed(self, entry: GraphEntry, phase: str, error: Optional[Exception]) -> Optional[Exception]:
         """This rank's error of ``phase``, else (with ``agree``) another rank's: every rank then
@@ -146,7 +159,8 @@ class KeyCapture:
                     self.capture_entry(registry, entry, self.warmup_iters)
                 entry.seconds = time.perf_counter() - start
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
-                                             entry.pool_bytes, entry.reason, entry.verify_seconds, _pieces(entry)))
+                                             entry.pool_bytes, entry.reason, entry.verify_seconds, _pieces(entry),
+                                             _output_bytes(entry)))
         return report
 
     def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "") -> bool:
@@ -199,6 +213,15 @@ def check_devices(entry: GraphEntry, graph: CapturedGraph, device: Optional[torc
             raise ValueError(f"{path} is on {leaf.device}: a graph captured on {device} can neither stage nor "
                              "refresh it; keep the step's tensors on one device (wrap() picks the backend from "
                              "the call's tensors with backend='auto')")
+
+
+def _output_bytes(entry: GraphEntry) -> int:
+    """Bytes of a captured key's output tensors (each memory counted once)."""
+    if entry.graph is None:
+        return 0
+    tensors = {leaf.data_ptr(): leaf.numel() * leaf.element_size() for leaf in entry.graph.outputs
+               if isinstance(leaf, torch.Tensor)}
+    return sum(tensors.values())
 
 
 def _pieces(entry: GraphEntry) -> Optional[int]:

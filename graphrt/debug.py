@@ -1,10 +1,11 @@
-"""Debug-mode guard against stale outputs: a view read after a later replay overwrote it raises.
+"""Debug-mode guard against stale outputs: a view read after a later replay may have overwritten it raises.
 
-Graph outputs are views of static tensors that the next replay of the same key
-overwrites. With ``GraphRunner(..., debug=True)`` or ``GRAPHRT_DEBUG=1`` each replay
-bumps its key's generation and hands out views tagged with it; any torch operation on a
-view whose generation is out of date raises ``StaleOutputError`` (torch.compile's
-CUDA-graph trees give the same guarantee). Off by default: it costs a subclass per output.
+Graph outputs are views of memory the graphs of one pool share: the next replay of any key in
+the pool may overwrite them (the keys' outputs reuse the same blocks, so graph memory stays near
+one largest key). With ``GraphRunner(..., debug=True)`` or ``GRAPHRT_DEBUG=1`` each replay bumps
+the pool's generation and hands out views tagged with it; any torch operation on a view whose
+generation is out of date raises ``StaleOutputError`` (torch.compile's CUDA-graph trees give
+the same guarantee). Off by default: it costs a subclass per output.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ class StaleOutputError(RuntimeError):
 
 
 class GenerationCounter:
-    """How many times one graph key has been replayed (shared by the views it handed out)."""
+    """How many replays the graphs of one memory pool have run, and which key ran the last one
+    (shared by the views every key of the pool handed out: a replay of any of them may overwrite
+    another's outputs, which share the pool's memory)."""
 
-    __slots__ = ("name", "generation")
+    __slots__ = ("generation", "last_key")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.generation = 0
+        self.last_key = ""
 
 
 class GuardedOutput(torch.Tensor):
@@ -34,21 +37,24 @@ class GuardedOutput(torch.Tensor):
 
     _graphrt_counter: GenerationCounter
     _graphrt_generation: int
+    _graphrt_key: str
 
     @staticmethod
-    def guard(view: torch.Tensor, counter: GenerationCounter) -> "GuardedOutput":
+    def guard(view: torch.Tensor, counter: GenerationCounter, key: str) -> "GuardedOutput":
         guarded = torch.Tensor._make_subclass(GuardedOutput, view, view.requires_grad)
         guarded._graphrt_counter = counter
         guarded._graphrt_generation = counter.generation
+        guarded._graphrt_key = key
         return guarded
 
     def check_current(self) -> None:
         counter = self._graphrt_counter
         if counter.generation != self._graphrt_generation:
             raise StaleOutputError(
-                f"graphrt: this output of graph {counter.name} (replay #{self._graphrt_generation}) was "
-                f"overwritten by replay #{counter.generation}; clone() outputs you keep across steps, "
-                f"or use GraphRunner(copy_outputs=True)"
+                f"graphrt: this output of graph {self._graphrt_key} (replay #{self._graphrt_generation} of its "
+                f"memory pool) may have been overwritten: the pool has replayed since, last graph "
+                f"{counter.last_key} (replay #{counter.generation}); an output is valid until the next replay of "
+                f"any graph in its pool: clone() outputs you keep across steps, or use copy_outputs=True"
             )
 
     @classmethod
@@ -61,8 +67,9 @@ class GuardedOutput(torch.Tensor):
             return func(*args, **kwargs)
 
 
-def guard_outputs(outputs: Any, counter: GenerationCounter) -> Any:
-    """Bump the key's generation and tag every output tensor with it."""
+def guard_outputs(outputs: Any, counter: GenerationCounter, key: str) -> Any:
+    """Count one replay of ``key`` in the pool and tag every output tensor with it."""
     counter.generation += 1
-    return tree_map(lambda value: GuardedOutput.guard(value, counter) if isinstance(value, torch.Tensor) else value,
-                    outputs)
+    counter.last_key = key
+    return tree_map(lambda value: GuardedOutput.guard(value, counter, key) if isinstance(value, torch.Tensor)
+                    else value, outputs)

@@ -149,8 +149,8 @@ class GraphedCallable:
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
-        registry = GraphRegistry(self.copy_outputs, self.debug)
         capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
+        registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:
             stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),

@@ -137,16 +137,17 @@ class CopiedOutputs(CutOutputs):
 
 
 class GuardedOutputs(CutOutputs):
-    """Debug mode: views that raise StaleOutputError once a later replay overwrote them."""
+    """Debug mode: views that raise StaleOutputError once a later replay in their pool may have overwritten them."""
 
-    __slots__ = ("counter",)
+    __slots__ = ("counter", "key")
 
-    def __init__(self, leaves: List[Any], structure: Any, counter: GenerationCounter) -> None:
+    def __init__(self, leaves: List[Any], structure: Any, counter: GenerationCounter, key: str) -> None:
         super().__init__(leaves, structure)
         self.counter = counter
+        self.key = key
 
     def result(self) -> Any:
-        return unflatten(self.structure, iter(guard_outputs(self.leaves, self.counter)))
+        return unflatten(self.structure, iter(guard_outputs(self.leaves, self.counter, self.key)))
 
 
 def _no_count(real_tokens: int, padded_tokens: int) -> None:
@@ -239,15 +240,17 @@ class GraphRegistry:
     """One GraphEntry per key, lookup tables per (mode, kind), and the batch axes of the outputs
     (learned from captured graphs and eager runs) that decide how a padded replay is cut."""
 
-    def __init__(self, copy_outputs: bool = False, debug: bool = False) -> None:
+    def __init__(self, copy_outputs: bool = False, debug: bool = False,
+                 pool_replays: Optional[GenerationCounter] = None) -> None:
         self.copy_outputs = copy_outputs
         self.debug = debug
+        # Replays of the graphs sharing this registry's memory pool (other registries may share it: wrap()'s layouts).
+        self.pool_replays = GenerationCounter() if pool_replays is None else pool_replays
         self.entries: Dict[GraphKey, GraphEntry] = {}
         self.grids: Dict[Tuple[ForwardMode, KeyKind], Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
         self._by_rows: Dict[Tuple[ForwardMode, KeyKind], List[Optional[GraphEntry]]] = {}
         self.axes = OutputAxes()
         self.uncut_outputs: Dict[str, str] = {}  # key -> why its padded outputs cannot be cut
-        self._generations: Dict[GraphKey, GenerationCounter] = {}
 
     # ---- keys ---------------------------------------------------------------------------------
 
@@ -346,10 +349,7 @@ class GraphRegistry:
         if self.copy_outputs:
             cut: CutOutputs = CopiedOutputs(leaves, structure)
         elif self.debug:
-            counter = self._generations.get(entry.key)
-            if counter is None:
-                counter = self._generations[entry.key] = GenerationCounter(str(entry.key))
-            cut = GuardedOutputs(leaves, structure, counter)
+            cut = GuardedOutputs(leaves, structure, self.pool_replays, str(entry.key))
         else:
             cut = CutOutputs(leaves, structure)
         entry.cuts[num_tokens, num_reqs] = cut

@@ -91,3 +91,36 @@ def test_fixed_slots_take_whole_tensors():
     assert slot.tensor.eq(1).all()
     with pytest.raises(ValueError, match=r"w: expected shape \[2, 2\]"):
         slot.set_data(torch.ones(1, 2, dtype=torch.int64))
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op of a block, with the dtypes of the tensor lists it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        lists = [arg for arg in args if isinstance(arg, (list, tuple))]
+        self.ops.append((func, [{tensor.dtype for tensor in tensors} for tensors in lists]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_stages_with_one_fused_copy_per_dtype():
+    """The decode fields are int64 ids and int32 lengths: a mixed-dtype _foreach_copy_ takes torch's
+    per-tensor path (one copy kernel per field on CUDA), so staging copies each dtype group in one
+    fused call, and a steady step (the same size again) re-pads nothing."""
+    from conftest import decode_batch
+
+    from graphrt import ForwardMode, GraphRunner
+
+    runner = GraphRunner(lambda ids, pos, batch: ids * 2, max_batch_size=8, backend="emulated", progress=False)
+    runner.capture()
+    entry = runner.registry.lookup(ForwardMode.DECODE, 3, 3).entry
+    batch = decode_batch(3, seed=1)
+    entry.stager.stage(entry, batch, 3, 3)  # the first step at this size may re-pad rows
+    with OpCounter() as counter:
+        entry.stager.stage(entry, batch, 3, 3)
+    assert [func.__name__ for func, _ in counter.ops] == ["_foreach_copy_.default"] * 2
+    assert all(len(dtypes) == 1 for _, lists in counter.ops for dtypes in lists), counter.ops
+    assert entry.stager._plan.copies_per_step == 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BACKENDS, SCRATCH_SLOT, decode_batch
+from conftest import BACKENDS, SCRATCH_SLOT, ToyPagedModel, decode_batch
 from test_graph_contract import _reset_peak_rss, _rss_kib
 
 from graphrt import GraphRunner
@@ -135,3 +135,40 @@ def test_every_capture_starts_from_pad_values_after_real_steps(backend_device):
         size = len(locations)
         assert locations == [0] * size and requests == [0] * size and seq_lens == [1] * size
         assert seq_lens_sum == size
+
+
+def test_keys_share_their_output_memory_and_the_report_shows_it():
+    """Keys captured into one pool share their output memory (graph memory stays near the largest
+    key's outputs, not their sum), so a returned output is valid until the next replay of any key
+    in the pool: a smaller key's replay overwrites the rows a larger key returned."""
+    model = ToyPagedModel()
+    runner = GraphRunner(model, max_batch_size=16, capture_sizes=[1, 2, 4, 8, 16], backend="emulated",
+                         progress=False)
+    report = runner.capture()
+    row_bytes = 97 * 4  # float32 logits over ToyPagedModel's 97-token vocabulary
+    assert [key_report.output_bytes for key_report in report.keys] == [size * row_bytes for size in (16, 8, 4, 2, 1)]
+    assert report.output_bytes == 31 * row_bytes
+    assert 16 * row_bytes <= report.pool_bytes < 17 * row_bytes, "the pool holds the largest key's outputs once"
+    assert "pool total" in str(report)
+    large = runner(decode_batch(16, seed=1))
+    kept = large.clone()
+    runner(decode_batch(2, seed=2))
+    assert not torch.equal(large[:2], kept[:2]) and torch.equal(large[2:], kept[2:]), (
+        "the 2-row key's replay wrote over the 16-row key's first rows")
+
+
+@pytest.mark.cuda
+def test_cuda_keys_share_the_pool_memory_of_their_outputs():
+    """Outputs are non-owning views: once a key is captured its output blocks return to the pool,
+    and the next (smaller) key's capture reuses them."""
+    vocab = 32_000
+    model = ToyPagedModel(vocab=vocab, device="cuda")
+    runner = GraphRunner(model, max_batch_size=64, capture_sizes=[1, 2, 4, 8, 16, 32, 64], backend="cuda",
+                         device="cuda", progress=False)
+    report = runner.capture()
+    assert not report.failed
+    assert report.output_bytes == 127 * vocab * 4
+    assert report.pool_bytes < report.output_bytes, (report.pool_bytes, report.output_bytes)
+    out = runner(decode_batch(5, device="cuda", seed=1))
+    batch = decode_batch(5, device="cuda", seed=1)
+    torch.testing.assert_close(out, model(batch.input_ids, batch.positions, batch), atol=1e-4, rtol=1e-4)

@@ -89,9 +89,10 @@ def test_only_the_splitting_op_runs_at_replay(setup):
 
 
 def test_capture_report_lists_piecewise_keys_with_piece_counts(setup):
-    header, *rows = str(setup.report).splitlines()
-    columns = header.replace("pool MiB", "pool_MiB").replace("verify s", "verify_s").split()
+    header, *rows, total = str(setup.report).splitlines()
+    columns = header.replace("pool MiB", "pool_MiB").replace("out MiB", "out_MiB").replace("verify s", "verify_s").split()
     table = {row.split()[0]: dict(zip(columns, row.split())) for row in rows}
+    assert total.startswith("pool total")
     for size in PIECEWISE_SIZES:
         key = f"piecewise/tokens={size}"
         assert key in setup.runner.stats()["captured_keys"]

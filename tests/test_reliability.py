@@ -127,15 +127,18 @@ def test_debug_mode_raises_on_reading_an_overwritten_output(how, monkeypatch):
                          debug=True if how == "argument" else None)
     runner.capture()
     first = runner(decode_batch(5, seed=1))
-    total = float(first.sum())  # reading before the next replay is fine
-    other_key = runner(decode_batch(2, seed=3))
-    assert float(first.sum()) == total, "a replay of another key does not overwrite this output"
-    runner(decode_batch(6, seed=2))  # same key (bs=8): overwrites `first`
-    with pytest.raises(StaleOutputError, match=r"decode/bs=8 .*overwritten by replay #2"):
+    float(first.sum())  # reading before the next replay is fine
+    other_key = runner(decode_batch(2, seed=3))  # another key of the pool: its outputs share `first`'s memory
+    with pytest.raises(StaleOutputError, match=r"decode/bs=8 \(replay #1 of its memory pool\).*last graph "
+                                               r"decode/bs=2 \(replay #2\)"):
         first + 1
     with pytest.raises(StaleOutputError):
         first.tolist()
     assert other_key.shape == (2, 33) and float(other_key.sum()) == float(other_key.sum())
+    latest = runner(decode_batch(6, seed=2))  # bs=8 again: `other_key` is stale now, `latest` current
+    with pytest.raises(StaleOutputError, match="last graph decode/bs=8"):
+        other_key + 1
+    assert torch.isfinite(latest).all()
 
 
 def test_debug_mode_is_off_by_default_and_outputs_are_plain_views():

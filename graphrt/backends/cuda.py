@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._pytree import tree_map
 
 from graphrt.backends.base import CapturedGraph, SplitPoint
 from graphrt.backends.session import gc_frozen
@@ -49,6 +50,21 @@ class CudaGraph:
         self.outputs = outputs
         self.pool_bytes = pool_bytes
         self.replay = graph.replay
+
+
+def non_owning(value: Any) -> Any:
+    """A tensor over the same memory that does not keep it: once the capture's own reference goes,
+    an output's block returns to the pool and the next (smaller) key's capture may reuse it, so
+    the pool's memory stays near one largest key (as vLLM and torch.compile's CUDA-graph trees
+    keep outputs). The graph still writes there on every replay: an output is valid until the
+    next replay of any key in the pool. Only CUDA memory: a pool keeps it reserved while graphs live."""
+    if not isinstance(value, torch.Tensor) or not value.is_cuda:
+        return value
+    storage = value.untyped_storage()
+    view = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
+    with torch.no_grad():
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            view, value.storage_offset(), value.size(), value.stride())
 
 
 def end_allocate_to_pool() -> Optional[Callable[[int, PoolId], None]]:
@@ -172,7 +188,7 @@ class CudaGraphBackend:
                 raise
             self.end_capture(graph)
         torch.cuda.synchronize(self.device)
-        return CudaGraph(graph, outputs, self._reserved() - reserved_before)
+        return CudaGraph(graph, tree_map(non_owning, outputs), self._reserved() - reserved_before)
 
     def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "CudaPieces":
         return CudaPieces(self, generators)

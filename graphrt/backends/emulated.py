@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from graphrt.backends.base import CapturedGraph, SplitPoint
 from graphrt.backends.op_graph import OpGraph, OpRecorder, RecordedOp, build_op_graph
@@ -25,9 +25,11 @@ class EmulatedGraph:
     variables the step was recorded with; replays run in them (a custom op node re-runs its Python
     at replay and must see the host values of the capture, as on CUDA)."""
 
-    def __init__(self, op_graph: OpGraph, outputs: Any, context: Optional[contextvars.Context] = None) -> None:
+    def __init__(self, op_graph: OpGraph, outputs: Any, context: Optional[contextvars.Context] = None,
+                 pool_bytes: Optional[int] = None) -> None:
         self.outputs = outputs
-        self.pool_bytes: Optional[int] = sum(t.numel() * t.element_size() for t in op_graph.copy_targets)
+        self.pool_bytes: Optional[int] = (sum(t.numel() * t.element_size() for t in op_graph.copy_targets)
+                                          if pool_bytes is None else pool_bytes)
         self._forward = op_graph.module.forward
         self._targets = op_graph.copy_targets
         self._context = context
@@ -47,6 +49,48 @@ class EmulatedGraph:
                 torch._foreach_copy_(self._targets, fresh)
 
 
+class OutputArena:
+    """The emulated pool's output memory. Keys captured largest first into one CUDA pool reuse the
+    blocks the earlier keys' outputs freed (graphrt keeps only non-owning views of them), so a
+    replay of one key overwrites what another returned. Here every key's outputs are laid out from
+    the start of one buffer per device, grown to the largest key: the same sharing, shown on CPU."""
+
+    ALIGN = 64  # bytes: every dtype's alignment
+
+    def __init__(self) -> None:
+        self._buffers: Dict[torch.device, torch.Tensor] = {}
+
+    def place(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
+        """Copies of ``tensors`` in the arena (contiguous, non-empty ones; others are kept as they
+        are), laid out from its start, and the bytes the arena grew by."""
+        offsets: Dict[torch.device, int] = {}
+        spans = []
+        for tensor in tensors:
+            if not tensor.is_contiguous() or not tensor.numel():
+                spans.append(None)
+                continue
+            start = offsets.get(tensor.device, 0)
+            spans.append(start)
+            size = tensor.numel() * tensor.element_size()
+            offsets[tensor.device] = start + -(-size // self.ALIGN) * self.ALIGN
+        grown = 0
+        for device, needed in offsets.items():
+            buffer = self._buffers.get(device)
+            if buffer is None or buffer.numel() < needed:
+                grown += needed - (0 if buffer is None else buffer.numel())
+                self._buffers[device] = torch.empty(needed, dtype=torch.uint8, device=device)
+        placed = []
+        with torch.no_grad():
+            for tensor, start in zip(tensors, spans):
+                if start is None:
+                    placed.append(tensor)
+                    continue
+                size = tensor.numel() * tensor.element_size()
+                view = self._buffers[tensor.device][start:start + size].view(tensor.dtype).view(tensor.shape)
+                placed.append(view.copy_(tensor))
+        return placed, grown
+
+
 class EmulatedBackend:
     """Graph backend for machines without CUDA: records at capture, replays the recording."""
 
@@ -56,6 +100,7 @@ class EmulatedBackend:
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = device
+        self.arena = OutputArena()
 
     def capture_session(self) -> AbstractContextManager:
         return gc_frozen()
@@ -65,10 +110,16 @@ class EmulatedBackend:
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> EmulatedGraph:
         """Record one call of ``fn``; a generator the step is handed is a constant of the recording,
-        drawn from at every replay as eager draws from it."""
+        drawn from at every replay as eager draws from it. The outputs the graph writes live in
+        the shared output arena."""
         with OpRecorder() as recorder:
             outputs = fn()
-        return EmulatedGraph(build_op_graph(recorder.ops, outputs), outputs, recorder.context)
+        op_graph = build_op_graph(recorder.ops, outputs)
+        placed, grown = self.arena.place(op_graph.copy_targets)
+        moved = {id(target): view for target, view in zip(op_graph.copy_targets, placed)}
+        op_graph.copy_targets = placed
+        outputs = tree_map(lambda leaf: moved.get(id(leaf), leaf), outputs)
+        return EmulatedGraph(op_graph, outputs, recorder.context, grown)
 
     def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "EmulatedPieces":
         return EmulatedPieces()

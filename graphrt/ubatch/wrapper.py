@@ -154,13 +154,12 @@ class UBatchWrapper:
         return self._merge_outputs(outputs)
 
     def _run_sequential(self, work: List[Tuple[UBatchContext, CallInputs]]) -> List[Any]:
-        """Pieces in order on the caller's thread; outputs copied where a later piece may reuse their buffers."""
-        sizes = [self._planner.graph_size(context.slice_info.num_tokens) for context, _ in work]
+        """Pieces in order on the caller's thread. Every output but the last is copied: a graph's
+        outputs are valid until the next replay of any graph in its memory pool."""
         outputs = []
         for i, (context, sliced) in enumerate(work):
             output = self._run_ubatch(context, sliced)
-            reused = sizes[i] is not None and sizes[i] in sizes[i + 1:]
-            outputs.append(tree_map_only(torch.Tensor, torch.Tensor.clone, output) if reused else output)
+            outputs.append(tree_map_only(torch.Tensor, torch.Tensor.clone, output) if i + 1 < len(work) else output)
         return outputs
 
     def _run_threaded(self, work: List[Tuple[UBatchContext, CallInputs]]) -> List[Any]:
