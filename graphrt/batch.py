@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+HOST_LIST_ROWS = 128  # host batches up to this many rows are value-checked as Python ints (faster than torch ops)
 DEBUG_ENV = "GRAPHRT_DEBUG"
 
 
@@ -185,35 +186,61 @@ class ForwardBatch:
         if check_values is None:
             check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
         if check_values:
-            self._check_values(specs, tensors, limits)
+            if device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS:
+                self._check_host_values(specs, tensors, limits)
+            else:
+                self._check_values(specs, tensors, limits)
         elif mirror is not None:
             self._check_seq_lens_sum(mirror)
+
+    def _check_host_values(self, specs: Sequence[FieldSpec], tensors: Sequence[Optional[torch.Tensor]],
+                           limits: Sequence[Tuple[str, int]]) -> None:
+        """The value checks of a small batch of host tensors, on their values as Python ints (a few
+        rows convert faster than one torch reduction runs)."""
+        bounds = dict(limits)
+        for spec, tensor in zip(specs, tensors):
+            if tensor is None:
+                continue
+            values = tensor.tolist()
+            if values and min(values) < 0:
+                raise ValueError(f"{spec.name}: expected non-negative entries, got min {min(values)}")
+            size = bounds.get(spec.name)
+            if size is not None and values and max(values) >= size:
+                raise _past_table(spec.name, size, max(values))
+            if tensor is self.seq_lens and self.seq_lens_cpu is None:
+                self._check_seq_lens_sum(sum(values))
+        if self.seq_lens_cpu is not None:
+            self._check_seq_lens_sum(self.seq_lens_cpu)
 
     def _check_values(self, specs: Sequence[FieldSpec], tensors: Sequence[Optional[torch.Tensor]],
                       limits: Sequence[Tuple[str, int]]) -> None:
         """Value checks (they read the tensors): one minimum per dtype over the index fields (a
         concatenation of mixed dtypes would cost a type promotion), the maximum of each field with
         a known table size, and the sum of seq_lens; device values reach the host in one copy."""
-        groups: dict = {}
+        longs: List[torch.Tensor] = []
+        others: List[torch.Tensor] = []
         for tensor in tensors:
             if tensor is not None and tensor.numel():
-                groups.setdefault(tensor.dtype, []).append(tensor)
-        reductions = [(group[0] if len(group) == 1 else torch.cat(group)).min() for group in groups.values()]
-        bounded = [(name, size, getattr(self, name)) for name, size in limits]
-        bounded = [(name, size, tensor) for name, size, tensor in bounded if tensor is not None and tensor.numel()]
-        reductions += [tensor.max() for _, _, tensor in bounded]
+                (longs if tensor.dtype is torch.int64 else others).append(tensor)
+        reductions = [(group[0] if len(group) == 1 else torch.cat(group)).min() for group in (longs, others) if group]
+        minima = len(reductions)
+        bounded = []
+        for name, size in limits:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.numel():
+                bounded.append((name, size))
+                reductions.append(tensor.max())
         summed = self.seq_lens_cpu is None
         if summed:
             reductions.append(self.seq_lens.sum())
         values = _read(reductions)
-        if any(value < 0 for value in values[:len(groups)]):
+        if min(values[:minima], default=0) < 0:
             for spec, tensor in zip(specs, tensors):
                 if tensor is not None and tensor.numel() and int(tensor.min()) < 0:
                     raise ValueError(f"{spec.name}: expected non-negative entries, got min {int(tensor.min())}")
-        for (name, size, _), largest in zip(bounded, values[len(groups):]):
+        for (name, size), largest in zip(bounded, values[minima:]):
             if largest >= size:
-                raise ValueError(f"{name}: expected indices below {size} (the size of the table it indexes), "
-                                 f"got {largest}; an index past a table inside a CUDA graph kills the CUDA context")
+                raise _past_table(name, size, largest)
         self._check_seq_lens_sum(self.seq_lens_cpu if not summed else values[-1])
 
     def _check_seq_lens_sum(self, seq_lens: Any) -> None:
@@ -236,6 +263,11 @@ class ForwardBatch:
                 f"extend_seq_lens_cpu: expected entries summing to {num_tokens} tokens, "
                 f"got {sum(self.extend_seq_lens_cpu)}"
             )
+
+
+def _past_table(name: str, size: int, largest: int) -> ValueError:
+    return ValueError(f"{name}: expected indices below {size} (the size of the table it indexes), got {largest}; "
+                      "an index past a table inside a CUDA graph kills the CUDA context")
 
 
 def _read(values: List[torch.Tensor]) -> List[int]:

@@ -267,7 +267,8 @@ class GraphedCallable:
                 return self._run_eager(reason, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
                 return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            self._warn_grad_mode(autograd)
+            if autograd and not self._grad_warned:
+                self._warn_grad_mode()
             return replay_or_eager(decision.entry, leaves, batch_size, batch_size,
                                    self._run_eager, layout, batch_size, args, kwargs)
 
@@ -297,7 +298,8 @@ class GraphedCallable:
         decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
-        self._warn_grad_mode(torch.is_grad_enabled())
+        if torch.is_grad_enabled() and not self._grad_warned:
+            self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
     @staticmethod
@@ -345,12 +347,11 @@ class GraphedCallable:
                                                  batch_size, outputs)
         return outputs
 
-    def _warn_grad_mode(self, grad_mode: bool) -> None:
+    def _warn_grad_mode(self) -> None:
         """Say once that grad mode costs nothing here: the replayed outputs carry no history, as eager's would not."""
-        if grad_mode and not self._grad_warned:
-            self._grad_warned = True
-            logger.info("wrap(): called with grad mode on, nothing requiring grad: calls replay (their outputs carry "
-                        "no autograd history, as eager's would not)")
+        self._grad_warned = True
+        logger.info("wrap(): called with grad mode on, nothing requiring grad: calls replay (their outputs carry "
+                    "no autograd history, as eager's would not)")
 
     def stats(self) -> Dict[str, Any]:
         """Same counters as GraphRunner.stats(), plus the argument layouts wrap() inferred.

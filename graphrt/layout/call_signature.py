@@ -23,7 +23,7 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, S
 
 import torch
 
-from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value, unflatten
+from graphrt.layout.tensor_tree import TENSOR, flatten, is_plain_constant, leaf_paths, same_value, unflatten
 from graphrt.staging import BufferSpec, InputBufferManager, InputSlot, RowAxis, StagingPlan
 
 
@@ -101,6 +101,8 @@ class CallSignature:
         self.structure = structure
         self.kw_names = kw_names
         self._kw_set = frozenset(kw_names)
+        # Positional tensors only (the common case): a call's leaves are its arguments, no tree to walk.
+        self._flat_arity = len(structure[0]) if not kw_names and all(child is TENSOR for child in structure[0]) else -1
         self.leaves = tuple(leaves)  # TensorEvidence or Constant per leaf
         self.batch_leaf = batch_leaf
         self.max_batch_size = max_batch_size
@@ -111,6 +113,8 @@ class CallSignature:
         self._tensors = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, TensorEvidence)]
         self._expected: Dict[int, Tuple[Any, ...]] = {}
         self._axes = [(index, self.leaves[index].axis) for index in self._tensors]
+        # Every leaf a tensor batched along dim 0: the call's leaves are already the values the slots take.
+        self._leaves_are_live = self._tensors == list(range(len(self.leaves))) and all(axis == 0 for _, axis in self._axes)
         self._buffers: Optional[InputBufferManager] = None  # allocated when a call is first staged
         self._slots: Dict[int, InputSlot] = {}
         self._plan: Optional[StagingPlan] = None
@@ -163,6 +167,8 @@ class CallSignature:
 
     def flatten(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
         """The call's leaves and structure (None when its keywords differ from the captured ones)."""
+        if len(args) == self._flat_arity and not kwargs and all(type(arg) is torch.Tensor for arg in args):
+            return list(args), self.structure
         if kwargs.keys() != self._kw_set:
             leaves: List[Any] = []
             flatten((args, kwargs), leaves)
@@ -204,6 +210,8 @@ class CallSignature:
     def live(self, leaves: List[Any], rows: int, cut: bool = False) -> List[torch.Tensor]:
         """The call's tensors as the slots store them: batched ones batch-first (views of the
         caller's tensors; ``cut``: longer than ``rows`` cut to it, for capture examples)."""
+        if self._leaves_are_live and not cut:
+            return leaves
         live = []
         for index, axis in self._axes:
             value = leaves[index]
@@ -221,9 +229,12 @@ class CallSignature:
         live = self.live(leaves, rows, cut)
         if self._plan is None:
             self._allocate()
-        if torch.is_grad_enabled():
-            with torch.no_grad():  # staging never records autograd
+        if torch.is_grad_enabled():  # staging never records autograd (a torch.no_grad() block costs 10x more)
+            torch._C._set_grad_enabled(False)
+            try:
                 self._plan.stage(live, rows, rows)
+            finally:
+                torch._C._set_grad_enabled(True)
         else:
             self._plan.stage(live, rows, rows)
 
