@@ -15,10 +15,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from graphrt.backends import resolve_backend_name
-from graphrt.batch import CONTEXT_FIELDS, ForwardMode
+from graphrt.batch import CONTEXT_FIELDS, DECODE_SPECS, ForwardMode
 from graphrt.piecewise import SplittingOpSpec, resolve_splitting_ops
 from graphrt.sizes import SizeGrid, default_capture_sizes, default_piecewise_sizes, normalize_capture_sizes
-from graphrt.batch import DECODE_SPECS
+from graphrt.staging import SlotPool
 from graphrt.stats import histogram_from
 from graphrt.ubatch import UBatchConfig
 
@@ -61,6 +61,8 @@ class RunnerConfig:
     written at ``out_cache_loc``): capture stages pad values first, so their writes land in rows no
     request owns and are not copied to be undone. Tensors held by ``batch_context``'s
     ``token_to_kv_pool`` count as scratch state too.
+    ``slot_pool``: where the static input slots are allocated (a ``graphrt.pools`` BufferPool, e.g.
+    a ``HierarchicalBufferPool`` that puts host slots in pinned memory); default: allocated directly.
     """
 
     max_batch_size: int = 64
@@ -85,6 +87,7 @@ class RunnerConfig:
     splitting_ops: Sequence[SplittingOpSpec] = ()
     piecewise_sizes: Optional[Sequence[int]] = None
     scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
+    slot_pool: Optional[SlotPool] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         unset = [name for name in DERIVED_FROM_MAX_BATCH_SIZE if getattr(self, name) is None]
@@ -105,6 +108,10 @@ class RunnerConfig:
         self._set("batch_context", MappingProxyType(dict(self.batch_context)))
         if self.histogram is not None:
             self._set("histogram", histogram_from(self.histogram))
+        if self.slot_pool is not None and not all(callable(getattr(self.slot_pool, name, None))
+                                                  for name in ("allocate", "release")):
+            raise TypeError(f"slot_pool: expected a buffer pool with allocate(spec) and release(tensor), "
+                            f"got {type(self.slot_pool).__name__}")
         self._set("scratch_state", tuple(self.scratch_state))
         if not all(isinstance(tensor, torch.Tensor) for tensor in self.scratch_state):
             raise TypeError("scratch_state: expected a sequence of tensors")

@@ -139,7 +139,8 @@ class GraphRunner:
         host mirror of seq_lens for the attention replay hook, and the extend fields if needed."""
         max_batch_size, extend_grid = self.config.max_batch_size, self.config.extend_grid
         max_tokens = max(max_batch_size, extend_grid.max_tokens if extend_grid else 0, *self.config.piecewise_sizes)
-        buffers = InputBufferManager(max_batch_size=max_batch_size, max_seq_len=max_tokens, device=self.device)
+        buffers = InputBufferManager(self.config.slot_pool, max_batch_size=max_batch_size, max_seq_len=max_tokens,
+                                     device=self.device)
         for name, value in self.pad_values.items():
             buffers.set_pad_value(name, value)
         buffers.register_slot("seq_lens_cpu", BufferSpec((max_batch_size,), torch.int32, torch.device("cpu")),

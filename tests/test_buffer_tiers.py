@@ -105,3 +105,21 @@ def test_factory_builds_each_combination():
     tiered = create_input_buffer_manager(8, use_hierarchical=True, use_predictive=True)
     assert isinstance(tiered, PredictiveBufferManager) and isinstance(tiered.pool, HierarchicalBufferPool)
     assert tiered.pool.tier_stats()["host"]["bytes_in_use"] == tiered.static_bytes()
+
+
+def test_a_runner_takes_its_static_slots_from_a_configured_pool():
+    from conftest import ToyPagedModel, decode_batch
+
+    from graphrt import GraphRunner
+
+    pool = HierarchicalBufferPool()
+    model = ToyPagedModel()
+    runner = GraphRunner(model, max_batch_size=8, capture_sizes=[4, 8], backend="emulated", progress=False,
+                         slot_pool=pool)
+    assert pool.tier_stats()["host"]["bytes_in_use"] == runner.buffers.static_bytes() > 0
+    runner.capture()
+    batch = decode_batch(3, seed=1)
+    expected = model(batch.input_ids, batch.positions, batch)
+    torch.testing.assert_close(runner(batch), expected)
+    with pytest.raises(TypeError, match="slot_pool: expected a buffer pool"):
+        GraphRunner(model, max_batch_size=8, slot_pool=object())

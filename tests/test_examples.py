@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("examples/wrap_callable.py", "graph runs"),
     ("examples/decode_loop.py", "same tokens: True"),
     ("examples/chunked_prefill.py", "same tokens: True"),
+    ("examples/host_batches.py", "same tokens: True"),
     pytest.param("examples/hf_decode.py", "same tokens: True",
                  marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
     pytest.param("examples/hf_generate.py", "same tokens: True",

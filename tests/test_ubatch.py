@@ -45,6 +45,23 @@ def test_split_forward_batch_builds_valid_sub_batches():
     assert parts[1].extend_seq_lens_cpu == [7, 3] and parts[1].extend_start_loc.tolist() == [0, 7]
 
 
+def test_slice_inputs_gives_one_micro_batchs_call():
+    """The seed's per-slice API: a ForwardBatch call sliced as split_forward_batch slices it, a
+    tensor call along dim 0; anything else is refused naming the inputs."""
+    wrapper = UBatchWrapper(batch_model, UBatchConfig(capture_sizes=SIZES))
+    batch = make_batch([5, 1, 7, 3], seed=1)
+    piece = UBatchSlice.from_range(6, 16, 2, 4)
+    (sliced,), kwargs = wrapper.slice_inputs(((batch,), {}), piece)
+    [expected] = split_forward_batch(batch, [piece])
+    assert kwargs == {} and sliced.extend_seq_lens_cpu == expected.extend_seq_lens_cpu == [7, 3]
+    assert torch.equal(sliced.input_ids, expected.input_ids) and sliced.seq_lens_sum == expected.seq_lens_sum
+    x = torch.arange(12.0).view(6, 2)
+    (rows,), _ = wrapper.slice_inputs(((x,), {}), UBatchSlice.from_range(2, 5, 2, 5))
+    assert torch.equal(rows, x[2:5])
+    with pytest.raises(ValueError, match="inputs: expected a ForwardBatch or a tensor"):
+        wrapper.slice_inputs((("no tensors",), {}), piece)
+
+
 def test_split_forward_batch_rejects_a_split_request_and_multimodal_batches():
     batch = make_batch([2, 2])
     with pytest.raises(ValueError, match="whole requests"):

@@ -1,7 +1,8 @@
 """Buffer pools: tensors handed out by spec and taken back for reuse, evicted least recently used.
 
-The runner's static slots do not use a pool (they are allocated once); an InputBufferManager
-built with ``pool=`` allocates its slots from one (see graphrt.pools.tiers).
+An InputBufferManager built with ``pool=`` allocates its slots from one (see graphrt.pools.tiers);
+a GraphRunner's static slots come from one with ``RunnerConfig(slot_pool=...)`` (they are
+allocated once, so the pool decides where they live: pinned host memory, the device).
 """
 
 from __future__ import annotations

@@ -184,7 +184,12 @@ class HierarchicalBufferPool(BufferPool):
 
 
 class PredictiveBufferManager(InputBufferManager):
-    """An InputBufferManager that learns which token counts come next and pre-warms their views."""
+    """An InputBufferManager that learns which token counts come next and pre-warms their views.
+
+    For host code that stages batches of many token counts through ``stage_inputs`` (a scheduler
+    building prefills of arbitrary lengths): building a slot's view of a new row count costs a
+    tensor allocation, which ``prewarm`` moves off the hot path. A GraphRunner does not need it:
+    its views are built once per captured key."""
 
     def __init__(self, *args, history: int = 256, **kwargs) -> None:
         super().__init__(*args, **kwargs)
