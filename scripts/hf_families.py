@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hf_helpers import FAMILIES, family_inputs, tiny_model  # noqa: E402
+from hf_helpers import FAMILIES, ForwardCalls, family_inputs, tiny_model  # noqa: E402
 
 from graphrt.hf import graph_generate  # noqa: E402
 
@@ -43,19 +43,6 @@ class Repeated:
     @property
     def share(self) -> str:
         return f"{self.replayed}/{self.calls} ({self.replayed / self.calls:.0%})"
-
-
-class ForwardCalls:
-    """Counts the forward calls generate() makes (outside graphrt's accounting)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.forward, self.calls = model.forward, 0
-        self.__wrapped__ = self.forward  # generate() reads forward's signature
-        model.forward = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.forward(*args, **kwargs)
 
 
 def measure(family: str, padded_rows: int, new_tokens: int) -> Tuple[Repeated, str]:

@@ -18,7 +18,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_helpers import FAMILIES, WINDOW, captured_at, failure_of, family_inputs, tiny_model  # noqa: E402
+from hf_helpers import (  # noqa: E402
+    FAMILIES, WINDOW, ForwardCalls, captured_at, failure_of, family_inputs, tiny_model,
+)
 
 import graphrt  # noqa: E402
 from graphrt.hf import graph_generate, graph_safe_cache  # noqa: E402
@@ -43,19 +45,6 @@ def assert_same_generation(got: Any, expected: Any, family: str) -> None:
     assert torch.equal(got.sequences, expected.sequences), f"{family}: tokens differ from eager's"
     for step, (mine, theirs) in enumerate(zip(got.logits, expected.logits)):
         torch.testing.assert_close(mine, theirs, msg=lambda why: f"{family}: logits of step {step}: {why}")
-
-
-class ForwardCalls:
-    """Counts the forward calls generate() makes, apart from graphrt's own accounting."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.forward, self.calls = model.forward, 0
-        self.__wrapped__ = self.forward  # generate() reads forward's signature
-        model.forward = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.forward(*args, **kwargs)
 
 
 def repeated_call(family: str, batch: int = 2, padded_rows: int = 1):
