@@ -83,6 +83,7 @@ EXTEND_FIELDS = (
     FieldSpec("extend_prefix_lens", per_token=False, slot_dtype=torch.int32),
     FieldSpec("extend_start_loc", per_token=False, slot_dtype=torch.int32),
 )
+OUT_CACHE_LOC = TOKEN_FIELDS[2]
 DECODE_SPECS = TOKEN_FIELDS + REQUEST_FIELDS
 EXTEND_SPECS = DECODE_SPECS + EXTEND_FIELDS
 
@@ -136,7 +137,8 @@ class ForwardBatch:
         return self.input_ids.shape[0] if isinstance(self.input_ids, torch.Tensor) else 0
 
     def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None,
-                 check_values: Optional[bool] = None, limits: Sequence[Tuple[str, int]] = ()) -> None:
+                 check_values: Optional[bool] = None, limits: Sequence[Tuple[str, int]] = (),
+                 steps: int = 1) -> None:
         """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU unless asked.
 
         ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
@@ -144,6 +146,8 @@ class ForwardBatch:
         ``seq_lens_sum``); default: for host tensors always, for device tensors only in debug mode
         (``debug``, default from GRAPHRT_DEBUG): reading them synchronizes once.
         ``limits``: (field, table size) pairs, e.g. ``table_sizes(context)``.
+        ``steps``: a DECODE batch of ``GraphRunner.decode``, whose ``out_cache_loc`` holds ``steps``
+        slots per request (step-major), each checked like a single step's.
         """
         mode = self.forward_mode
         if mode.__class__ is not ForwardMode:
@@ -174,7 +178,9 @@ class ForwardBatch:
             shape = token_shape if spec.per_token else request_shape
             if (not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes or tensor.shape != shape
                     or tensor.device != device):
-                check_tensor(spec, tensor, shape[0], device)
+                # Several decode steps: the slots of every step (off the single-step path's fast test).
+                rows = shape[0] * steps if spec is OUT_CACHE_LOC else shape[0]
+                check_tensor(spec, tensor, rows, device)
         if extend:
             self._validate_extend(num_tokens)
         mirror = self.seq_lens_cpu
