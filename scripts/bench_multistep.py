@@ -92,13 +92,17 @@ def launches_counted(runner: GraphRunner) -> Iterator[List[int]]:
     """Every graph of ``runner`` counts its replays instead of running them (so the ops counted are the host's)."""
     count = [0]
     graphs = [entry.graph for entry in runner.registry.entries.values() if entry.graph is not None]
+    own = [(graph, graph.__dict__.get("replay")) for graph in graphs]  # a CUDA graph's replay is an attribute
     for graph in graphs:
         graph.replay = lambda: count.__setitem__(0, count[0] + 1)
     try:
         yield count
     finally:
-        for graph in graphs:
-            del graph.replay
+        for graph, replay in own:
+            if replay is None:
+                del graph.replay
+            else:
+                graph.replay = replay
 
 
 def host_calls_per_token(runner: GraphRunner, batch: ForwardBatch, steps: int) -> float:

@@ -31,15 +31,15 @@ class StaleBackend(TorchNativeAttnBackend):
         pass
 
 
-def reference(backend_class=TorchNativeAttnBackend, **options):
-    model, backend, pools = build_reference(CONFIG, num_requests=8)
+def reference(backend_class=TorchNativeAttnBackend, device="cpu", **options):
+    model, backend, pools = build_reference(CONFIG, num_requests=8, device=device)
     if backend_class is not TorchNativeAttnBackend:
         backend = backend_class(pools.req_to_token, pools.kv)
         for layer in model.layers:
             layer.self_attn.attn_backend = backend
         model.attn_backend = backend
     runner = GraphRunner(model, max_batch_size=4, capture_sizes=[2, 4], decode_steps=(STEPS,), progress=False,
-                         **graph_runner_kwargs(backend, pools), **options)
+                         device=device, **graph_runner_kwargs(backend, pools), **options)
     report = runner.capture()
     assert not report.failed, report.failed
     return model, backend, pools, runner
@@ -50,16 +50,18 @@ def prefilled(model, backend, pools):
     reqs = [pools.req_to_token.alloc() for _ in PROMPTS]
     lens = [len(prompt) for prompt in PROMPTS]
     loc = pools.assign(reqs, [0] * len(reqs), lens)
-    logits = run_eager(model, make_extend_batch(PROMPTS, reqs, [0] * len(reqs), loc, "cpu", pools=pools,
+    device = pools.req_to_token.device
+    logits = run_eager(model, make_extend_batch(PROMPTS, reqs, [0] * len(reqs), loc, device, pools=pools,
                                                 attn_backend=backend))
-    last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(len(lens))])
+    last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(len(lens))], device=device)
     return reqs, lens, logits[last].argmax(-1)
 
 
 def launch(pools, backend, reqs, lens, ids, steps=STEPS):
     """The slots of ``steps`` positions per request mapped ahead; the launch's batch (step 0)."""
     loc = pools.assign(reqs, lens, [steps] * len(reqs)).view(len(reqs), steps).t().reshape(-1)
-    return make_decode_batch(ids, reqs, [n + 1 for n in lens], loc, "cpu", pools=pools, attn_backend=backend)
+    return make_decode_batch(ids, reqs, [n + 1 for n in lens], loc, pools.req_to_token.device, pools=pools,
+                             attn_backend=backend)
 
 
 def launches(model, backend, pools, decode, count=2):
@@ -99,6 +101,19 @@ def test_launches_equal_eager_steps_and_the_models_python_does_not_run():
     assert torch.equal(graph_tokens, tokens)
     for got, want in zip(graph_kv, kv):
         torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_launches_on_cuda_graphs_equal_eager_steps():
+    """The same on a GPU: one CUDA graph per launch (4 steps, advance_step captured between them)."""
+    model, backend, pools, runner = reference(device="cuda")
+    graph_tokens, graph_kv = launches(model, backend, pools, runner.decode)
+    assert runner.backend_name == "cuda" and runner.stats()["multi_step_runs"] == 2
+    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8, device="cuda")
+    tokens, kv = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model))
+    assert torch.equal(graph_tokens, tokens)
+    for got, want in zip(graph_kv, kv):
+        torch.testing.assert_close(got[1:], want[1:], atol=1e-4, rtol=1e-4)
 
 
 def test_a_no_op_advance_step_reads_stale_metadata_and_gives_other_tokens():
