@@ -88,9 +88,9 @@ class RunnerConfig:
     ubatch: Optional[UBatchConfig] = None
     splitting_ops: Sequence[SplittingOpSpec] = ()
     piecewise_sizes: Optional[Sequence[int]] = None
-    scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
     decode_steps: Sequence[int] = ()
     next_tokens: Optional[Callable[[Any, int], torch.Tensor]] = field(default=None, compare=False)
+    scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         unset = [name for name in DERIVED_FROM_MAX_BATCH_SIZE if getattr(self, name) is None]
