@@ -18,6 +18,7 @@ import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 HOST_LIST_ROWS = 128  # host batches up to this many rows are value-checked as Python ints (faster than torch ops)
+HOST_LIST_SLOTS = 256  # and decode(): up to this many slots of every step (past it one torch reduction is faster)
 DEBUG_ENV = "GRAPHRT_DEBUG"
 
 
@@ -192,7 +193,8 @@ class ForwardBatch:
         if check_values is None:
             check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
         if check_values:
-            if device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS:
+            if (device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS
+                    and num_tokens * steps <= HOST_LIST_SLOTS):
                 self._check_host_values(specs, tensors, limits)
             else:
                 self._check_values(specs, tensors, limits)

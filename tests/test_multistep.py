@@ -215,7 +215,10 @@ def test_a_replay_that_raises_reruns_the_steps_one_by_one_and_disables_the_key()
     (lambda batch: (batch.__class__(**{**vars(batch), "seq_lens_sum": 1}), STEPS), ValueError, "seq_lens_sum"),
     (lambda batch: ("batch", STEPS), TypeError, "batch"),
 ])
-def test_bad_input_names_the_field_and_writes_nothing(bad, error, field):
+@pytest.mark.parametrize("value_checks", ["python_ints", "torch_reductions"])
+def test_bad_input_names_the_field_and_writes_nothing(bad, error, field, value_checks, monkeypatch):
+    if value_checks == "torch_reductions":  # the path of batches with more slots than HOST_LIST_SLOTS
+        monkeypatch.setattr("graphrt.batch.HOST_LIST_SLOTS", 0)
     model = TableAttentionModel()
     runner = table_runner(model)
     batch = TableEngine(model, 3).launch(STEPS)
