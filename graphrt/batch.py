@@ -18,6 +18,7 @@ import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 HOST_LIST_ROWS = 128  # host batches up to this many rows are value-checked as Python ints (faster than torch ops)
+HOST_LIST_SLOTS = 256  # and decode(): up to this many slots of every step (past it one torch reduction is faster)
 DEBUG_ENV = "GRAPHRT_DEBUG"
 
 
@@ -83,6 +84,7 @@ EXTEND_FIELDS = (
     FieldSpec("extend_prefix_lens", per_token=False, slot_dtype=torch.int32),
     FieldSpec("extend_start_loc", per_token=False, slot_dtype=torch.int32),
 )
+OUT_CACHE_LOC = TOKEN_FIELDS[2]
 DECODE_SPECS = TOKEN_FIELDS + REQUEST_FIELDS
 EXTEND_SPECS = DECODE_SPECS + EXTEND_FIELDS
 
@@ -136,7 +138,8 @@ class ForwardBatch:
         return self.input_ids.shape[0] if isinstance(self.input_ids, torch.Tensor) else 0
 
     def validate(self, device: Optional[torch.device] = None, debug: Optional[bool] = None,
-                 check_values: Optional[bool] = None, limits: Sequence[Tuple[str, int]] = ()) -> None:
+                 check_values: Optional[bool] = None, limits: Sequence[Tuple[str, int]] = (),
+                 steps: int = 1) -> None:
         """Raise ValueError/TypeError naming the first bad field; never synchronizes a GPU unless asked.
 
         ``device``: where every staged tensor must live (default: where ``input_ids`` lives).
@@ -144,6 +147,8 @@ class ForwardBatch:
         ``seq_lens_sum``); default: for host tensors always, for device tensors only in debug mode
         (``debug``, default from GRAPHRT_DEBUG): reading them synchronizes once.
         ``limits``: (field, table size) pairs, e.g. ``table_sizes(context)``.
+        ``steps``: a DECODE batch of ``GraphRunner.decode``, whose ``out_cache_loc`` holds ``steps``
+        slots per request (step-major), each checked like a single step's.
         """
         mode = self.forward_mode
         if mode.__class__ is not ForwardMode:
@@ -174,7 +179,9 @@ class ForwardBatch:
             shape = token_shape if spec.per_token else request_shape
             if (not isinstance(tensor, torch.Tensor) or tensor.dtype not in spec.dtypes or tensor.shape != shape
                     or tensor.device != device):
-                check_tensor(spec, tensor, shape[0], device)
+                # Several decode steps: the slots of every step (off the single-step path's fast test).
+                rows = shape[0] * steps if spec is OUT_CACHE_LOC else shape[0]
+                check_tensor(spec, tensor, rows, device)
         if extend:
             self._validate_extend(num_tokens)
         mirror = self.seq_lens_cpu
@@ -186,7 +193,8 @@ class ForwardBatch:
         if check_values is None:
             check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
         if check_values:
-            if device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS:
+            if (device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS
+                    and num_tokens * steps <= HOST_LIST_SLOTS):
                 self._check_host_values(specs, tensors, limits)
             else:
                 self._check_values(specs, tensors, limits)

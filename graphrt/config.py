@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -57,6 +57,10 @@ class RunnerConfig:
     the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.
     ``verify``: compare each key's first replay with eager on the same inputs at capture (one
     extra eager step and replay per key); a difference keeps the key eager (``verify_failed``).
+    ``decode_steps``: step counts (ints >= 2) of the multi-step keys captured for every decode
+    capture size, e.g. ``(4, 8)``: ``GraphRunner.decode(batch, steps)`` then runs that many decode
+    steps in one replay, the next tokens chosen inside the graph by ``next_tokens(output, step)``
+    (a device-only function of the model's output; default ``output.argmax(-1)``). Single rank only.
     ``scratch_state``: tensors the model writes only at rows the staged indices address (a KV cache
     written at ``out_cache_loc``): capture stages pad values first, so their writes land in rows no
     request owns and are not copied to be undone. Tensors held by ``batch_context``'s
@@ -86,6 +90,8 @@ class RunnerConfig:
     ubatch: Optional[UBatchConfig] = None
     splitting_ops: Sequence[SplittingOpSpec] = ()
     piecewise_sizes: Optional[Sequence[int]] = None
+    decode_steps: Sequence[int] = ()
+    next_tokens: Optional[Callable[[Any, int], torch.Tensor]] = field(default=None, compare=False)
     scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
     slot_pool: Optional[SlotPool] = field(default=None, compare=False)
 
@@ -117,6 +123,7 @@ class RunnerConfig:
             raise TypeError("scratch_state: expected a sequence of tensors")
         self._set("splitting_ops", resolve_splitting_ops(self.splitting_ops))
         self._set("piecewise_sizes", self._checked_piecewise_sizes())
+        self._set("decode_steps", self._checked_decode_steps())
         if self.ubatch is not None:
             if not isinstance(self.ubatch, UBatchConfig):
                 raise TypeError(f"ubatch: expected a UBatchConfig, got {type(self.ubatch).__name__}")
@@ -176,6 +183,21 @@ class RunnerConfig:
             return tuple(normalize_capture_sizes(self.piecewise_sizes, 1 << 20, "piecewise_sizes"))
         token_sizes = self.extend_capture_sizes[0] if self.extend_capture_sizes else DEFAULT_EXTEND_TOKENS
         return tuple(default_piecewise_sizes(max(self.max_batch_size, max(token_sizes))))
+
+    def _checked_decode_steps(self) -> Tuple[int, ...]:
+        """The step counts of multi-step keys, sorted and unique; each at least 2 (one step is a plain key)."""
+        steps = self.decode_steps
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise ValueError(f"decode_steps: expected a sequence of ints >= 2, got {steps!r}")
+        steps = tuple(steps)
+        if not all(type(count) is int and count >= 2 for count in steps):
+            raise ValueError(f"decode_steps: expected a sequence of ints >= 2, got {steps!r}")
+        if steps and self.process_group is not None:
+            raise ValueError("decode_steps: expected () with process_group (multi-step keys are single-rank)")
+        if self.next_tokens is not None and not callable(self.next_tokens):
+            raise TypeError(f"next_tokens: expected a callable next_tokens(output, step), got "
+                            f"{type(self.next_tokens).__name__}")
+        return tuple(sorted(set(steps)))
 
     def _checked_pad_values(self) -> Mapping[str, int]:
         for name, value in self.pad_values.items():

@@ -48,8 +48,9 @@ class Dispatcher:
         self.graphs_enabled = graphs_enabled
         self.piecewise = piecewise
 
-    def decide(self, batch: ForwardBatch) -> Decision:
-        """Graph key for this (already validated) batch, or the reason it must run eagerly."""
+    def decide(self, batch: ForwardBatch, steps: int = 1) -> Decision:
+        """Graph key for this (already validated) batch, or the reason it must run eagerly;
+        ``steps`` > 1: the multi-step key of that many decode steps (no piecewise fallback)."""
         if not self.graphs_enabled:
             return GRAPHS_OFF
         if (
@@ -65,8 +66,8 @@ class Dispatcher:
         ):
             return OTHER_CONTEXT
         num_tokens = batch.input_ids.shape[0]
-        decision = self.registry.lookup(batch.forward_mode, num_tokens, batch.batch_size)
-        if self.piecewise and decision.reason in PIECEWISE_FALLBACK:
+        decision = self.registry.lookup(batch.forward_mode, num_tokens, batch.batch_size, KeyKind.FULL, steps)
+        if self.piecewise and decision.reason in PIECEWISE_FALLBACK and steps == 1:
             return self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
         return decision
 

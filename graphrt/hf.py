@@ -21,6 +21,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 from graphrt.graphed_callable import GraphedCallable, wrap
 from graphrt.hf_cache.cross_attention import CrossAttentionFills, needs_fill
+from graphrt.hf_multistep import MultiStepGenerate
 
 logger = logging.getLogger(__name__)
 
@@ -150,4 +151,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["GenerateForward", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "MultiStepGenerate", "StaticCachePool", "graph_generate", "graph_safe_cache"]

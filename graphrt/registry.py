@@ -38,12 +38,14 @@ class KeyKind(str, enum.Enum):
 
 
 class GraphKey(NamedTuple):
-    """What a graph was captured for: mode, padded row counts (tokens, requests) and kind."""
+    """What a graph was captured for: mode, padded row counts (tokens, requests), kind, and the
+    decode steps one replay runs (``steps`` > 1: a multi-step key, ``decode/bs=8,steps=4``)."""
 
     mode: ForwardMode
     num_tokens: int
     num_reqs: int
     kind: KeyKind = KeyKind.FULL
+    steps: int = 1
 
     def __str__(self) -> str:
         if self.kind is KeyKind.PIECEWISE:
@@ -51,8 +53,10 @@ class GraphKey(NamedTuple):
         if self.kind is KeyKind.CALL:
             return f"call/bs={self.num_reqs}"
         if self.num_tokens == self.num_reqs:
-            return f"{self.mode.name.lower()}/bs={self.num_reqs}"
-        return f"{self.mode.name.lower()}/tokens={self.num_tokens},reqs={self.num_reqs}"
+            name = f"{self.mode.name.lower()}/bs={self.num_reqs}"
+        else:
+            name = f"{self.mode.name.lower()}/tokens={self.num_tokens},reqs={self.num_reqs}"
+        return name if self.steps == 1 else f"{name},steps={self.steps}"
 
 
 PIECEWISE_REQS = 1  # a piecewise key is recorded on one dummy request holding all its tokens
@@ -237,7 +241,7 @@ def disable(entry: GraphEntry, reason: str) -> None:
 
 
 class GraphRegistry:
-    """One GraphEntry per key, lookup tables per (mode, kind), and the batch axes of the outputs
+    """One GraphEntry per key, lookup tables per (mode, kind, steps), and the batch axes of the outputs
     (learned from captured graphs and eager runs) that decide how a padded replay is cut."""
 
     def __init__(self, copy_outputs: bool = False, debug: bool = False,
@@ -247,29 +251,31 @@ class GraphRegistry:
         # Replays of the graphs sharing this registry's memory pool (other registries may share it: wrap()'s layouts).
         self.pool_replays = GenerationCounter() if pool_replays is None else pool_replays
         self.entries: Dict[GraphKey, GraphEntry] = {}
-        self.grids: Dict[Tuple[ForwardMode, KeyKind], Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
-        self._by_rows: Dict[Tuple[ForwardMode, KeyKind], List[Optional[GraphEntry]]] = {}
+        # Per table (mode, kind, steps): the grid and its pad tables; diagonal grids also by row count.
+        self.grids: Dict[Tuple[ForwardMode, KeyKind, int], Tuple[SizeGrid, List[Optional[int]], List[Optional[int]]]] = {}
+        self._by_rows: Dict[Tuple[ForwardMode, KeyKind, int], List[Optional[GraphEntry]]] = {}
         self.axes = OutputAxes()
         self.uncut_outputs: Dict[str, str] = {}  # key -> why its padded outputs cannot be cut
 
     # ---- keys ---------------------------------------------------------------------------------
 
     def add_grid(self, mode: ForwardMode, grid: SizeGrid, make_entry: Callable[[GraphKey], GraphEntry],
-                 kind: KeyKind = KeyKind.FULL) -> None:
-        """Register every key of ``grid`` for ``mode`` (pending capture) and precompute its padded-size tables."""
-        self.grids[mode, kind] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
+                 kind: KeyKind = KeyKind.FULL, steps: int = 1) -> None:
+        """Register every key of ``grid`` for ``mode`` (pending capture) and precompute its padded-size
+        tables; ``steps`` > 1: the multi-step keys of that many decode steps, a table of their own."""
+        self.grids[mode, kind, steps] = (grid, build_pad_table(grid.token_sizes), build_pad_table(grid.req_sizes))
         for num_tokens, num_reqs in grid.pairs():
-            key = GraphKey(mode, num_tokens, num_reqs, kind)
+            key = GraphKey(mode, num_tokens, num_reqs, kind, steps)
             self.entries[key] = make_entry(key)
         if grid.diagonal:
             padded = build_pad_table(grid.token_sizes)
-            self._by_rows[mode, kind] = [self.entries[GraphKey(mode, size, size, kind)] for size in padded]
+            self._by_rows[mode, kind, steps] = [self.entries[GraphKey(mode, size, size, kind, steps)] for size in padded]
 
     def add_size(self, mode: ForwardMode, size: int, make_entry: Callable[[GraphKey], GraphEntry],
                  kind: KeyKind = KeyKind.FULL) -> GraphEntry:
         """Register the diagonal key (size, size) beside ``mode``'s grid, keeping its other keys and
         graphs: calls of exactly ``size`` rows use it from now on (a size padding cannot serve)."""
-        table = (mode, kind)
+        table = (mode, kind, 1)
         grid = self.grids[table][0]
         sizes = sorted({*grid.token_sizes, size})
         key = GraphKey(mode, size, size, kind)
@@ -280,11 +286,13 @@ class GraphRegistry:
         return entry
 
     def remove_mode(self, mode: ForwardMode) -> None:
-        """Forget every full-graph key of ``mode`` and its tables; dropped graphs free their memory."""
+        """Forget every full-graph key of ``mode`` (multi-step keys too) and their tables; dropped
+        graphs free their memory."""
         for key in [key for key in self.entries if key.mode is mode and key.kind is KeyKind.FULL]:
             del self.entries[key]
-        self.grids.pop((mode, KeyKind.FULL), None)
-        self._by_rows.pop((mode, KeyKind.FULL), None)
+        for table in [table for table in self.grids if table[:2] == (mode, KeyKind.FULL)]:
+            self.grids.pop(table)
+            self._by_rows.pop(table, None)
 
     def clear(self) -> None:
         """Forget every entry and graph (their pool memory returns when the graphs are freed)."""
@@ -295,26 +303,29 @@ class GraphRegistry:
     def pending(self) -> List[GraphEntry]:
         """Keys waiting for capture, largest first (smaller graphs reuse the largest one's pool blocks)."""
         return sorted((entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
-                      key=lambda entry: (entry.key.num_tokens, entry.key.num_reqs, entry.key.mode), reverse=True)
+                      key=lambda entry: (entry.key.num_tokens, entry.key.num_reqs, entry.key.mode, entry.key.steps),
+                      reverse=True)
 
     # ---- per step -------------------------------------------------------------------------------
 
-    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int, kind: KeyKind = KeyKind.FULL) -> Decision:
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int, kind: KeyKind = KeyKind.FULL,
+               steps: int = 1) -> Decision:
         """The entry whose key pads (num_tokens, num_reqs) least, in O(1), if it is ready and its
-        outputs can be cut to these rows; else why the step runs eagerly."""
-        by_rows = self._by_rows.get((mode, kind))
+        outputs can be cut to these rows; else why the step runs eagerly. ``steps`` > 1: among the
+        multi-step keys of that many steps."""
+        by_rows = self._by_rows.get((mode, kind, steps))
         if by_rows is not None:  # diagonal grid: one list index
             if num_tokens >= len(by_rows):
                 return TOO_LARGE
             entry = by_rows[num_tokens]
         else:
-            grid_tables = self.grids.get((mode, kind))
+            grid_tables = self.grids.get((mode, kind, steps))
             if grid_tables is None:
                 return NO_MODE
             _, token_table, req_table = grid_tables
             if num_tokens >= len(token_table) or num_reqs >= len(req_table):
                 return TOO_LARGE
-            entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs], kind))
+            entry = self.entries.get(GraphKey(mode, token_table[num_tokens], req_table[num_reqs], kind, steps))
             if entry is None:
                 return TOO_LARGE
         if entry.status is not GraphStatus.READY:
@@ -332,7 +343,7 @@ class GraphRegistry:
         key = entry.key
         if str(key) in self.uncut_outputs:
             return EagerReason.UNSLICEABLE_OUTPUT
-        plan = self.axes.plan((key.kind, key.mode), entry.output_structure)
+        plan = self.axes.plan(_axes_group(key), entry.output_structure)
         if isinstance(plan, CannotCut):
             if not plan.final:
                 return EagerReason.AXIS_PROBE  # an eager run of this size will show the axes
@@ -370,7 +381,7 @@ class GraphRegistry:
             logger.info("%s writes %d of its inputs in place: each replay copies them back to the caller",
                         key, len(entry.written_inputs))
         entry.cuts.clear()
-        self.axes.observe((key.kind, key.mode), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
+        self.axes.observe(_axes_group(key), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
         self._set_cut(entry, key.num_tokens, key.num_reqs, list(graph.outputs))
 
     def mark_failed(self, entry: GraphEntry, error: Exception, status: GraphStatus = GraphStatus.FAILED,
@@ -393,17 +404,17 @@ class GraphRegistry:
         """Learn output batch axes from an eager run of ``key``'s kind and mode (warm-up, probe)."""
         leaves: List[Any] = []
         structure = flatten(outputs, leaves)
-        self.axes.observe((key.kind, key.mode), num_tokens, num_reqs, structure, leaves)
+        self.axes.observe(_axes_group(key), num_tokens, num_reqs, structure, leaves)
 
     def seen_other_size(self, key: GraphKey) -> bool:
         """Whether outputs of ``key``'s kind and mode were seen at a size other than the key's."""
-        return self.axes.seen_other_size((key.kind, key.mode), key.num_tokens, key.num_reqs)
+        return self.axes.seen_other_size(_axes_group(key), key.num_tokens, key.num_reqs)
 
     def cut_eager(self, key: GraphKey, outputs: Any, num_tokens: int, num_reqs: int) -> Any:
         """Outputs of an eager run at ``key``'s padded size without the padding rows (lockstep)."""
         leaves: List[Any] = []
         structure = flatten(outputs, leaves)
-        group = (key.kind, key.mode)
+        group = _axes_group(key)
         self.axes.observe(group, key.num_tokens, key.num_reqs, structure, leaves)
         if (num_tokens, num_reqs) == (key.num_tokens, key.num_reqs):
             return outputs
@@ -429,6 +440,12 @@ class GraphRegistry:
     def ready_keys(self) -> List[GraphKey]:
         """Keys whose graph replays."""
         return [key for key, entry in self.entries.items() if entry.status is GraphStatus.READY]
+
+
+def _axes_group(key: GraphKey) -> Tuple[KeyKind, ForwardMode, int]:
+    """Keys whose outputs share batch axes: one kind, mode and step count (a multi-step key returns
+    ``[steps, rows]`` tokens, a single step the model's outputs)."""
+    return key.kind, key.mode, key.steps
 
 
 def merged_summary(registries: Mapping[str, GraphRegistry]) -> Dict[str, Any]:

@@ -29,6 +29,7 @@ from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batch_for, with_context
 from graphrt.forward_context import use_batch
+from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
 from graphrt.registry import (
@@ -77,6 +78,7 @@ class GraphRunner:
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
+        self.sampler: NextTokens = config.next_tokens if config.next_tokens is not None else greedy
         self.backend = make_backend(self.backend_name, self.device)
         self.registry = GraphRegistry(config.copy_outputs, self.debug)
         self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages,
@@ -88,10 +90,13 @@ class GraphRunner:
         for mode in self._graph_modes:
             grid = config.extend_grid if mode.is_extend() else SizeGrid.for_decode(self.capture_sizes)
             self.registry.add_grid(mode, grid, self._make_entry)
+        self._add_multistep_keys()
         self._ubatch = self._make_ubatch()
         self.piecewise = self._add_piecewise_keys()
         self.dispatcher = Dispatcher(self.registry, self.context, graphs_enabled=self.backend_name != "eager",
                                      piecewise=self.piecewise)
+        self._decoder = MultiStepDecoder(self.dispatcher, self.registry, self._stats, config.decode_steps,
+                                         self.sampler, self._multi_step_off, self._route)
         if self.lockstep is not None:
             self.lockstep.bind_keys(list(self.registry.entries))
         self._lock = threading.Lock()
@@ -148,6 +153,8 @@ class GraphRunner:
         if extend:
             for spec in EXTEND_FIELDS:
                 buffers.register_field(spec)
+        if self.config.decode_steps:
+            register_step_slots(buffers, max(self.config.decode_steps), self.pad_values["out_cache_loc"])
         return buffers
 
     def _scratch_storages(self) -> Set[Tuple[torch.device, int]]:
@@ -169,6 +176,12 @@ class GraphRunner:
 
         stager = self._stagers[key.mode.is_extend()]
         return GraphEntry(key, static, step, stager=stager, count=self._stats.record_graph)
+
+    def _add_multistep_keys(self) -> None:
+        """Multi-step keys (``decode_steps``) at every decode capture size, or why none can serve."""
+        self._multi_step_off = add_multistep_keys(
+            self.registry, self.model, self.config.decode_steps, self.capture_sizes, self.buffers, self.context,
+            self._graph_modes, self._stats, self.sampler, self.pad_values["seq_lens"])
 
     def _add_piecewise_keys(self) -> bool:
         """Piecewise keys when splitting ops are set (single rank: lockstep steps never take them)."""
@@ -244,6 +257,7 @@ class GraphRunner:
             for mode in modes:
                 self.registry.remove_mode(mode)
                 self.registry.add_grid(mode, SizeGrid.for_decode(self.capture_sizes), self._make_entry)
+            self._add_multistep_keys()
             if self.lockstep is not None:
                 self.lockstep.bind_keys(list(self.registry.entries))
         return self.capture()
@@ -267,11 +281,32 @@ class GraphRunner:
         with self._lock:
             batch.validate(self.device, self.debug, self.config.check_values, self._limits)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
-            if self._ubatch is not None and batch.forward_mode is ForwardMode.DECODE and (
-                batch.batch_size > self.capture_sizes[-1]
-            ):
-                return self._ubatch(batch)
-            return self._step(batch)
+            return self._route(batch)
+
+    def decode(self, batch: ForwardBatch, steps: int, next_tokens: Optional[NextTokens] = None) -> torch.Tensor:
+        """``steps`` decode steps of ``batch``: the tokens chosen at each, ``[steps, batch_size]`` int64
+        (an output like any other: valid until the next replay). ``out_cache_loc`` holds the slots of
+        every step, step-major; step ``j`` runs at ``positions + j``, ``seq_lens + j`` on the tokens
+        ``next_tokens(output, j - 1)`` chose (default: the runner's, ``RunnerConfig.next_tokens``,
+        with which its multi-step keys were captured). One replay when a multi-step key serves, else
+        the steps one by one (``stats()["multi_step_fallbacks"]`` says why); ``batch`` is not modified.
+        See graphrt/multistep."""
+        if self.lockstep is not None:
+            raise ValueError("process_group: decode() runs several steps in one call; a lockstep runner "
+                             "agrees with its peers on every step: call it once per step")
+        check_call(batch, steps, next_tokens)
+        with self._lock:
+            batch.validate(self.device, self.debug, self.config.check_values, self._limits, steps)
+            self._stats.record_size(batch.forward_mode, batch.batch_size)
+            return self._decoder.run(batch, steps, next_tokens)
+
+    def _route(self, batch: ForwardBatch) -> Any:
+        """A validated batch: micro-batches above the largest capture size (``ubatch``), else one step."""
+        if self._ubatch is not None and batch.forward_mode is ForwardMode.DECODE and (
+            batch.batch_size > self.capture_sizes[-1]
+        ):
+            return self._ubatch(batch)
+        return self._step(batch)
 
     def idle_step(self) -> None:
         """Lockstep with no work on this rank: run an all-padding step of the agreed size (no-op alone)."""

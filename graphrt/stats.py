@@ -22,6 +22,8 @@ class RuntimeStats:
     piecewise_runs: int = 0
     eager_runs: int = 0
     eager_reasons: Counter = field(default_factory=Counter)
+    multi_step_runs: int = 0  # decode() calls served by one multi-step replay
+    multi_step_fallbacks: Counter = field(default_factory=Counter)  # decode() calls run step by step, by reason
     real_tokens: int = 0
     padded_tokens: int = 0
     histogram: Dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
@@ -35,6 +37,16 @@ class RuntimeStats:
         """Count one piecewise replay (graph pieces around eager splitting ops), padded like a replay."""
         self.piecewise_runs += 1
         self._count_padded(real_tokens, padded_tokens)
+
+    def record_multi_step(self, real_tokens: int, padded_tokens: int) -> None:
+        """Count one multi-step replay: every step's real and padded rows."""
+        self.multi_step_runs += 1
+        self._count_padded(real_tokens, padded_tokens)
+
+    def record_multi_step_fallback(self, reason: str) -> None:
+        """Count one decode() call whose steps ran one by one, and why no multi-step replay served it
+        (its steps count as graph or eager runs of their own)."""
+        self.multi_step_fallbacks[reason] += 1
 
     def _count_padded(self, real_tokens: int, padded_tokens: int) -> None:
         self.real_tokens += real_tokens
@@ -63,6 +75,8 @@ class RuntimeStats:
             "piecewise_runs": self.piecewise_runs,
             "eager_runs": self.eager_runs,
             "eager_reasons": dict(self.eager_reasons),
+            "multi_step_runs": self.multi_step_runs,
+            "multi_step_fallbacks": dict(self.multi_step_fallbacks),
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
             "padding_waste": self.padded_tokens / total if total else 0.0,

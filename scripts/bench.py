@@ -8,7 +8,9 @@ graph (no staging), the runtime's overhead (runner - raw replay) and the attenti
 alone; graphrt's own cost at the floor (bench_floor: a one-op model through GraphRunner with and
 without value checks, batch.validate() alone each way, debug mode) in trivial eager ops of the
 same rounds; then wrap()'s floor, greedy-generation throughput eager vs runner, capture time and
-graph pool memory. Every graph is checked against eager before it is timed. Without CUDA the
+graph pool memory; several decode steps per launch (bench_multistep: graphrt's host cost per token
+for K = 1, 2, 4, 8, capture per multi-step key, tokens/s per K). Every graph is checked against
+eager before it is timed. Without CUDA the
 backend is emulated and the graph column measures graphrt's overhead, not a speedup. Last,
 Hugging Face generate() on a tiny random Llama and a tiny random Gemma3 (sliding-window and full
 attention layers): eager vs graphrt.hf.graph_generate vs torch.compile(mode="reduce-overhead")
@@ -53,6 +55,7 @@ from bench_lib import (
     parameter_count,
 )
 from bench_load import LoadSample, format_load, load_verdict, sample_load
+from bench_multistep import format_multistep, measure_multistep
 from bench_peer import compiled_step, warm_compiled
 from bench_piecewise import (
     PIECEWISE_SIZES,
@@ -320,6 +323,15 @@ def run_piecewise(settings: Settings, config: Any, max_batch_size: int, rng: ran
             "traces": [dataclasses.asdict(trace) for trace in traces], "seconds": time.perf_counter() - start}
 
 
+def run_multistep(settings: Settings, config: Any, rng: random.Random) -> Dict[str, Any]:
+    """The multi-step section (bench_multistep.py) on a workload of its own (its runner's attention
+    graph state must not replace the main runner's)."""
+    work = Workload.build(config, settings.prompts, settings.device)
+    return measure_multistep(work, settings.backend, Clock(settings.device, settings.sample_ms / 1e3),
+                             settings.batch_sizes, work.prompts(settings.prompts, settings.new_tokens, rng),
+                             settings.new_tokens, settings.repeats, settings.floor_iters, settings.warmup)
+
+
 def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str, Any]:
     """Build, capture, verify and time everything; returns the JSON document (the load at the
     end is read when everything timed has run)."""
@@ -339,6 +351,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         piecewise = run_piecewise(settings, config, max_batch_size, rng)
         wrap = wrap_floor(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
                           settings.warmup)
+        multistep = run_multistep(settings, config, rng)
     hf = hf_summary(settings)
     load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
@@ -369,6 +382,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "compile": compile_info,
         "ubatch": [dataclasses.asdict(result) for result in ubatch],
         "piecewise": piecewise,
+        "multistep": multistep,
         "capture_sizes_study": study(2000 if settings.quick else 20000),
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
@@ -408,6 +422,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    for r in doc["ubatch"]], max(settings.batch_sizes[-1], settings.prompts))))
     if doc["piecewise"] is not None:
         print("\n".join(format_piecewise(doc["piecewise"])))
+    print("\n".join(format_multistep(doc["multistep"])))
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")

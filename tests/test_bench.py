@@ -73,6 +73,7 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
         assert batch["replay_speedup"] == pytest.approx(
             batch["times_us"]["eager"]["median"] / batch["times_us"]["replay"]["median"])
     check_floor_and_load(doc, printed)
+    check_multistep(doc["multistep"], printed)
     capture = doc["capture"]
     assert capture["keys"] >= 2 and capture["seconds"] > 0 and not capture["failed"]
     assert capture["pool_bytes"] > 0 and "output bytes" in capture["pool_bytes_label"]
@@ -115,6 +116,35 @@ def check_costs(costs) -> None:
         assert isinstance(cost["above_noise"], bool)
         for unit in ("us", "trivial_ops"):
             assert all(math.isfinite(cost[unit][key]) for key in ("median", "p10", "p90"))
+
+
+def check_multistep(section: dict, printed: str) -> None:
+    """Several decode steps per launch: host cost per token for K = 1, 2, 4, 8 against K=1 / K + 1 at
+    the smallest and largest batch size, host calls per token, capture per multi-step key, tokens/s per K."""
+    assert section["k_values"] == [1, 2, 4, 8] and section["emulated"] is True
+    assert [floor["batch_size"] for floor in section["floor"]] == [1, 3]
+    for floor in section["floor"]:
+        costs = floor["timed"]["costs"]
+        assert set(costs) == {f"{name}/K={k}" for name in ("runner", "runner_metadata_only") for k in (1, 2, 4, 8)}
+        check_costs(costs.values())
+        for name in ("runner", "runner_metadata_only"):
+            single = costs[f"{name}/K=1"]["trivial_ops"]["median"]
+            for k in (2, 4, 8):
+                assert floor["targets"][f"{name}/K={k}"] == pytest.approx(single / k + 1)
+                assert floor["verdicts"][f"{name}/K={k}"] in {"yes", "NO", "unclear"}
+        calls = floor["host_calls_per_token"]
+        assert set(calls) == {"K=1", "K=2", "K=4", "K=8"}
+        assert calls["K=8"] < calls["K=4"] < calls["K=2"] < calls["K=1"], calls  # one staging and launch per K tokens
+    assert isinstance(section["within_target"], bool)
+    keys = {key["key"]: key for key in section["capture"]}
+    assert {"decode/bs=4,steps=2", "decode/bs=4,steps=4", "decode/bs=4,steps=8", "decode/bs=4"} == set(keys)
+    assert all(key["ok"] and key["seconds"] > 0 and key["output_bytes"] > 0 for key in keys.values())
+    assert keys["decode/bs=4,steps=8"]["output_bytes"] == 8 * 4 * 8  # [steps, rows] int64 tokens
+    throughput = {row["steps_per_launch"]: row for row in section["throughput"]}
+    assert set(throughput) == {1, 2, 4, 8} and all(row["same_tokens"] and row["tokens_per_s"] > 0
+                                                   for row in throughput.values())
+    assert all(throughput[k]["multi_step_runs"] > 0 and throughput[k]["fallbacks"] == {} for k in (2, 4, 8))
+    assert "several decode steps per launch" in printed and "EMULATED backend" in printed
 
 
 def check_floor_and_load(doc: dict, printed: str) -> None:

@@ -89,14 +89,15 @@ def _check_splits(session: CheckSession, runner: RunnerLike) -> None:
 
 
 def _entries(runner: RunnerLike, keys: Optional[Sequence[GraphKey]]) -> List[GraphEntry]:
-    """The requested keys' entries, else the largest and smallest full-graph key of each mode (largest first)."""
+    """The requested keys' entries, else the largest and smallest single-step full-graph key of each
+    mode (largest first); multi-step keys record the same model, ``steps`` times."""
     entries = runner.registry.entries
     if keys is not None:
         missing = [key for key in keys if key not in entries]
         if missing:
             raise ValueError(f"keys: expected keys of this runner ({sorted(map(str, entries))}), got {missing}")
         return [entries[key] for key in keys]
-    full = [key for key in entries if key.kind is KeyKind.FULL]
+    full = [key for key in entries if key.kind is KeyKind.FULL and key.steps == 1]
     chosen: Dict[GraphKey, GraphEntry] = {}
     for mode in dict.fromkeys(key.mode for key in full):
         of_mode = sorted((key for key in full if key.mode is mode), key=lambda k: (k.num_tokens, k.num_reqs))

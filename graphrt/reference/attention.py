@@ -106,6 +106,16 @@ class TorchNativeAttnBackend:
             self._static_views[num_tokens] = view
         self.forward_metadata = self._compute_metadata(forward_batch, out=view)
 
+    def advance_step(self, forward_batch: ForwardBatch) -> None:
+        """Between the decode steps of one multi-step graph (recorded there): the static metadata of
+        the next step, ``forward_batch`` (its ``seq_lens`` one longer per step), in place with device
+        ops only, as the replay hook fills it. The request rows are gathered whole, so the slots the
+        engine mapped ahead for the later positions are already in ``kv_indices``; the mask admits
+        one more of them."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise ValueError(f"forward_mode: advance_step runs between decode steps, got {forward_batch.forward_mode.name}")
+        self.init_forward_metadata_replay(forward_batch)
+
     # ---- attention ------------------------------------------------------------------------
 
     def store_kv(

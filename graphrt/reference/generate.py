@@ -15,12 +15,14 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.multistep import greedy, run_steps
 from graphrt.reference.kv_cache import DUMMY_REQUEST, SCRATCH_SLOT, CachePools
 from graphrt.reference.model import ReferenceDecoder, run_eager
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[ForwardBatch], torch.Tensor]
+Launch = Callable[[ForwardBatch, int], torch.Tensor]  # (batch, steps) -> [steps, rows] tokens
 Device = Union[str, torch.device]
 
 
@@ -119,19 +121,30 @@ def generate_greedy(
     prompts: List[List[int]],
     max_new_tokens: int,
     step: Optional[StepFn] = None,
+    steps_per_launch: int = 1,
+    eos_token_id: Optional[int] = None,
 ) -> List[List[int]]:
-    """Greedy-decode ``max_new_tokens`` tokens per prompt; prefill runs eagerly, decode through ``step``.
+    """Greedy-decode up to ``max_new_tokens`` tokens per prompt; prefill runs eagerly, decode through ``step``.
 
     ``step(forward_batch) -> logits`` for the batch's real tokens defaults to ``run_eager``;
-    pass a graphrt ``GraphRunner`` to decode through graphs. Pools are released on return.
+    pass a graphrt ``GraphRunner`` to decode through graphs. ``steps_per_launch`` > 1 runs that
+    many decode steps per launch, the next token chosen on the device: ``step.decode(batch, k)``
+    (a GraphRunner; its multi-step keys, ``decode_steps``, serve it in one replay) or, without
+    ``step``, eager steps. The slots of every step of a launch are mapped ahead in the request
+    table. A request stops after its ``eos_token_id`` (kept) or ``max_new_tokens`` tokens; tokens a
+    launch chose after the stop are dropped, and the KV slots they wrote belong to the request until
+    it is released. Without ``eos_token_id`` the tokens are read from the device once, at the end;
+    with it, once per launch. Pools are released on return.
     """
     if backend is not model.attn_backend:
         raise ValueError("backend: expected the attention backend the model was built with")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    if type(steps_per_launch) is not int or steps_per_launch < 1:
+        raise ValueError(f"steps_per_launch: expected an int >= 1, got {steps_per_launch!r}")
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("prompts: expected a non-empty list of non-empty token lists")
-    step = step if step is not None else (lambda batch: run_eager(model, batch))
+    launch = _launcher(model, step, steps_per_launch)
     device = pools.req_to_token.device
     reqs: List[int] = []
     cached: List[int] = []  # KV slots assigned per request, for release on any exit
@@ -147,16 +160,97 @@ def generate_greedy(
         )
         last_rows = _index_tensor([end - 1 for end in itertools.accumulate(lens)], device)
         next_ids = run_eager(model, prefill)[last_rows].argmax(-1)
-        generated = [next_ids]
-        for _ in range(max_new_tokens - 1):
-            out_loc = pools.assign(reqs, cached, [1] * len(reqs))
-            cached = [n + 1 for n in cached]
-            batch = make_decode_batch(next_ids, reqs, cached, out_loc, device, pools=pools, attn_backend=backend)
-            next_ids = step(batch).argmax(-1)
-            generated.append(next_ids)
-        tokens = torch.stack(generated, dim=1).tolist()
+        decoding = _Decoding(list(range(len(prompts))), max_new_tokens, eos_token_id, next_ids)
+        context = pools.req_to_token.max_context_len
+        while decoding.active:
+            rows = decoding.active
+            # A launch runs its full count of steps while every request has room (tokens past a stop
+            # are dropped), else only the steps still wanted.
+            room = context - max(cached[row] for row in rows)
+            steps = steps_per_launch if room >= steps_per_launch else min(steps_per_launch, decoding.wanted)
+            live = [reqs[row] for row in rows]
+            out_loc = pools.assign(live, [cached[row] for row in rows], [steps] * len(rows))
+            step_major = out_loc.view(len(rows), steps).t().reshape(-1)
+            batch = make_decode_batch(decoding.next_ids, live, [cached[row] + 1 for row in rows], step_major, device,
+                                      pools=pools, attn_backend=backend)
+            for row in rows:
+                cached[row] += steps
+            decoding.add(launch(batch, steps))
+        tokens = decoding.tokens()
     finally:
         for req, count in zip(reqs, cached):
             pools.release(req, count)
-    logger.debug("generated %d x %d tokens", len(prompts), max_new_tokens)
+    logger.debug("generated %d x up to %d tokens, %d steps per launch", len(prompts), max_new_tokens,
+                 steps_per_launch)
     return tokens
+
+
+def _launcher(model: ReferenceDecoder, step: Optional[StepFn], steps_per_launch: int) -> Launch:
+    """``launch(batch, steps) -> [steps, rows]`` greedy tokens: one step through ``step`` (default
+    eager), or several through ``step.decode`` (a GraphRunner) or eager steps."""
+    if steps_per_launch == 1:
+        one = step if step is not None else (lambda batch: run_eager(model, batch))
+        return lambda batch, steps: one(batch).argmax(-1)[None]
+    if step is None:
+        return lambda batch, steps: run_steps(lambda each: run_eager(model, each), batch, steps, greedy)
+    decode = getattr(step, "decode", None)
+    if decode is None:
+        raise ValueError(f"step: steps_per_launch > 1 needs a GraphRunner (its decode()) or None (eager steps), "
+                         f"got {type(step).__name__}")
+    return decode
+
+
+class _Decoding:
+    """The requests still decoding and the tokens chosen so far (on the device until a stop must be
+    seen: with ``eos_token_id``, each launch's tokens are read once to find the stops)."""
+
+    def __init__(self, active: List[int], max_new_tokens: int, eos_token_id: Optional[int],
+                 next_ids: torch.Tensor) -> None:
+        self.active = active
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_id = eos_token_id
+        self.next_ids = next_ids  # the last token of each active request, the next launch's input ids
+        self.count = 1  # tokens chosen per active request (the prefill chose one)
+        self.launches: List[torch.Tensor] = [next_ids[None]]  # [steps, rows] per launch, without a stop
+        self.chosen: List[List[int]] = [[] for _ in active]  # per request, with eos_token_id
+        if eos_token_id is not None:
+            self._read(next_ids[None])
+        elif max_new_tokens == 1:
+            self.active = []
+
+    @property
+    def wanted(self) -> int:
+        """Tokens each active request still wants."""
+        return self.max_new_tokens - self.count
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """The ``[steps, rows]`` tokens of one launch over the active requests."""
+        self.count += tokens.shape[0]
+        self.next_ids = tokens[-1]
+        if self.eos_token_id is None:
+            self.launches.append(tokens.clone())  # views of the graph's output: the next launch overwrites them
+            if self.count >= self.max_new_tokens:
+                self.active = []
+            return
+        self._read(tokens)
+
+    def _read(self, tokens: torch.Tensor) -> None:
+        """Append each active request's tokens up to its stop; drop stopped requests from the batch."""
+        keep = []
+        for position, (row, values) in enumerate(zip(self.active, tokens.t().tolist())):
+            chosen = self.chosen[row]
+            for token in values:
+                chosen.append(token)
+                if token == self.eos_token_id or len(chosen) == self.max_new_tokens:
+                    break
+            else:
+                keep.append(position)
+        if len(keep) < len(self.active):
+            self.next_ids = self.next_ids[_index_tensor(keep, self.next_ids.device)]
+            self.active = [self.active[position] for position in keep]
+
+    def tokens(self) -> List[List[int]]:
+        """Every request's tokens (read from the device once when no stop had to be seen)."""
+        if self.eos_token_id is not None:
+            return self.chosen
+        return [row[: self.max_new_tokens] for row in torch.cat(self.launches).t().tolist()]

@@ -1,0 +1,63 @@
+"""graphrt.hf.MultiStepGenerate: greedy generation of a tiny random Llama with several decode steps per
+launch on a StaticCache gives generate()'s tokens (EOS inside a launch, every row stopping early),
+and a repeated call replays every launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from graphrt.hf import MultiStepGenerate  # noqa: E402
+
+BATCH, PROMPT, NEW = 3, 6, 13
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.5, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def generate(model, prompt, eos=None):
+    model.generation_config.eos_token_id = eos
+    return model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache_implementation="static",
+                          attention_mask=torch.ones_like(prompt))
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_several_steps_per_launch_give_generates_tokens_and_a_second_call_replays_every_launch(model, steps):
+    prompt = torch.randint(2, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    expected = generate(model, prompt)
+    fast = MultiStepGenerate(model, steps_per_launch=steps, max_cache_len=64, max_batch_size=4)
+    assert torch.equal(fast(prompt, NEW), expected)
+    launches = -(-(NEW - 1) // steps)
+    before = fast.stats()["graph_runs"]
+    assert torch.equal(fast(prompt, NEW), expected)
+    assert fast.stats()["graph_runs"] - before == launches and fast.stats()["eager_reasons"] == {"warmup": 1}
+    # EOS inside a launch: the row's later tokens are the pad token; then every row stopping early
+    eos = int(expected[1, PROMPT + 5])
+    model.generation_config.eos_token_id = eos
+    try:
+        assert torch.equal(fast(prompt, NEW), generate(model, prompt, eos))
+        stops = [int(expected[row, PROMPT + column]) for row, column in ((0, 2), (1, 3), (2, 1))]
+        early = generate(model, prompt, stops)
+        model.generation_config.eos_token_id = stops
+        assert early.shape[1] < PROMPT + NEW and torch.equal(fast(prompt, NEW), early)
+    finally:
+        model.generation_config.eos_token_id = None
+
+
+def test_bad_arguments_name_the_argument(model):
+    fast = MultiStepGenerate(model, steps_per_launch=4, max_cache_len=16, max_batch_size=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        fast(torch.ones(1, 8, dtype=torch.int64), 12)  # 8 + 1 + 3 launches of 4 > 16 positions
+    with pytest.raises(ValueError, match="input_ids"):
+        fast(torch.ones(8, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="steps_per_launch"):
+        MultiStepGenerate(model, steps_per_launch=0)
