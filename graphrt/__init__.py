@@ -11,7 +11,7 @@ from graphrt.config import RunnerConfig
 from graphrt.debug import StaleOutputError
 from graphrt.forward_context import current_batch
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.registry import EagerReason, GraphKey
+from graphrt.entry import EagerReason, GraphKey
 from graphrt.runner import GraphRunner
 from graphrt.ubatch import UBatchConfig
 

@@ -34,7 +34,8 @@ from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.compiled import eager_stance
 from graphrt.debug import GenerationCounter
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
-from graphrt.registry import GraphEntry, GraphKey, GraphRegistry, GraphStatus, KeyKind
+from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
+from graphrt.registry import GraphRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,8 @@ import torch
 from graphrt.batch import (
     CONTEXT_FIELDS, DECODE_SPECS, EXTEND_SPECS, TOKEN_FIELDS, ForwardBatch, ForwardMode, field_getter,
 )
-from graphrt.registry import (
-    PIECEWISE_REQS, Decision, EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind,
-)
+from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind
+from graphrt.registry import Decision, GraphRegistry
 from graphrt.staging import InputBufferManager, InputSlot, StagingPlan
 
 GRAPHS_OFF = Decision(None, EagerReason.GRAPHS_DISABLED)

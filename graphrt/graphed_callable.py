@@ -44,9 +44,8 @@ from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.rebind_guard import RebindGuard
-from graphrt.registry import (
-    STATUS_REASONS, EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind, merged_summary, replay_or_eager,
-)
+from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
+from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
 

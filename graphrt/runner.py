@@ -32,9 +32,8 @@ from graphrt.forward_context import use_batch
 from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
-from graphrt.registry import (
-    PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind, replay_or_eager,
-)
+from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
+from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis
 from graphrt.stats import RuntimeStats, load_histogram, save_histogram

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Union
 from graphrt.batch import ForwardMode
 
 if TYPE_CHECKING:
-    from graphrt.registry import EagerReason
+    from graphrt.entry import EagerReason
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 
 from graphrt import ForwardBatch, GraphRunner
 from graphrt.reference import make_decode_batch
-from graphrt.registry import GraphStatus
+from graphrt.entry import GraphStatus
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # graph vs eager at another padded GEMM shape: rounding only
 CHECK_TIMEOUT_S = 300

@@ -32,7 +32,7 @@ from piecewise_helpers import double_rows
 from graphrt import GraphRunner, wrap
 from graphrt.backends.cuda import CudaPool
 from graphrt.reference import make_extend_batch
-from graphrt.registry import GraphEntry, GraphStatus
+from graphrt.entry import GraphEntry, GraphStatus
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 READY, FAILED = GraphStatus.READY, GraphStatus.FAILED

@@ -8,7 +8,7 @@ from conftest import ToyPagedModel, decode_batch, static_checksums
 
 from graphrt import EagerReason, ForwardMode, GraphRunner, wrap
 from graphrt.graphed_callable import CHURN_LIMIT
-from graphrt.registry import GraphStatus
+from graphrt.entry import GraphStatus
 
 
 class FlakyModel(ToyPagedModel):

@@ -17,7 +17,7 @@ from conftest import ToyPagedModel, decode_batch
 from graphrt import GraphRunner, wrap
 from graphrt.backends.op_graph import HostSyncError
 from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs
-from graphrt.registry import GraphStatus
+from graphrt.entry import GraphStatus
 
 
 def runner_for(model, **options):

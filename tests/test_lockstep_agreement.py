@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
 from graphrt.parallel.lockstep import Lockstep, pad_forward_batch
-from graphrt.registry import GraphKey
+from graphrt.entry import GraphKey
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

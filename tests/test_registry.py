@@ -12,7 +12,8 @@ from graphrt.backends.emulated import OutputArena
 from graphrt.dispatch import Dispatcher
 from graphrt.pools.buffers import BufferPool, SimpleBufferPool
 from graphrt.capture import KeyCapture
-from graphrt.registry import Decision, GraphEntry, GraphRegistry, GraphStatus
+from graphrt.entry import GraphEntry, GraphStatus
+from graphrt.registry import Decision, GraphRegistry
 from graphrt.sizes import SizeGrid
 
 DECODE, EXTEND = ForwardMode.DECODE, ForwardMode.EXTEND

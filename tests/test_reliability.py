@@ -13,7 +13,7 @@ from conftest import BACKENDS, decode_batch
 
 from graphrt import GraphRunner
 from graphrt.debug import StaleOutputError
-from graphrt.registry import GraphStatus
+from graphrt.entry import GraphStatus
 
 MAX_BS = 16
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphrt import GraphRunner, wrap
-from graphrt.registry import GraphStatus
+from graphrt.entry import GraphStatus
 from tests.conftest import ToyPagedModel, decode_batch
 
 

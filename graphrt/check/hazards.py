@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Dict
 
-from graphrt.registry import EagerReason
+from graphrt.entry import EagerReason
 
 SILENT = "silent"  # the graph replays; outputs or state differ from eager and nothing says so
 REPLAYS = "replays"  # the graph replays and behaves as documented

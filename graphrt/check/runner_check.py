@@ -26,7 +26,8 @@ from graphrt.check.splits import SplitScanRecorder, piece_refusal, split_sites
 from graphrt.dispatch import with_context
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.capture import recorded_step
-from graphrt.registry import EagerReason, GraphEntry, GraphKey, GraphRegistry, KeyKind
+from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind
+from graphrt.registry import GraphRegistry
 
 @runtime_checkable
 class RunnerLike(Protocol):

@@ -26,7 +26,8 @@ from graphrt.dispatch import DecodeStager, static_batch_for
 from graphrt.forward_context import use_batch
 from graphrt.multistep.decode import Reason, unavailable_reason
 from graphrt.multistep.steps import NextTokens, batch_at_step, chosen_tokens
-from graphrt.registry import GraphEntry, GraphKey, GraphRegistry
+from graphrt.entry import GraphEntry, GraphKey
+from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis, StagingPlan
 from graphrt.stats import RuntimeStats

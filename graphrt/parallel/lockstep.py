@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from graphrt.batch import REQUEST_FIELDS, TOKEN_FIELDS, ForwardBatch, ForwardMode
-from graphrt.registry import Decision, EagerReason, GraphEntry, GraphKey, GraphStatus
+from graphrt.entry import EagerReason, GraphEntry, GraphKey, GraphStatus
+from graphrt.registry import Decision
 
 logger = logging.getLogger(__name__)
 

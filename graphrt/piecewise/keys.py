@@ -18,7 +18,8 @@ from graphrt.dispatch import TokenStager, static_batch_for
 from graphrt.forward_context import use_batch
 from graphrt.piecewise.graph import PieceRecorder
 from graphrt.piecewise.ops import SplittingOps
-from graphrt.registry import PIECEWISE_REQS, GraphEntry, GraphKey, GraphRegistry, KeyKind
+from graphrt.entry import PIECEWISE_REQS, GraphEntry, GraphKey, KeyKind
+from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid
 from graphrt.staging import InputBufferManager, RowAxis
 from graphrt.stats import RuntimeStats
