@@ -9,9 +9,9 @@ from graphrt.capture import CaptureReport
 from graphrt.check import CheckReport, check
 from graphrt.config import RunnerConfig
 from graphrt.debug import StaleOutputError
+from graphrt.entry import EagerReason, GraphKey
 from graphrt.forward_context import current_batch
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.entry import EagerReason, GraphKey
 from graphrt.runner import GraphRunner
 from graphrt.ubatch import UBatchConfig
 

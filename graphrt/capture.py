@@ -33,8 +33,8 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.compiled import eager_stance
 from graphrt.debug import GenerationCounter
-from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
+from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphRegistry
 
 logger = logging.getLogger(__name__)

@@ -41,10 +41,10 @@ from graphrt.backends import (
 from graphrt.backends.compiled import is_compiled
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
+from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.rebind_guard import RebindGuard
-from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats

@@ -28,11 +28,11 @@ from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.check import CheckReport, check_runner
 from graphrt.config import RunnerConfig
 from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batch_for, with_context
+from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.forward_context import use_batch
 from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
-from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid, choose_capture_sizes, default_capture_sizes
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis

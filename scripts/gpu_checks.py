@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from graphrt import ForwardBatch, GraphRunner
-from graphrt.reference import make_decode_batch
 from graphrt.entry import GraphStatus
+from graphrt.reference import make_decode_batch
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # graph vs eager at another padded GEMM shape: rounding only
 CHECK_TIMEOUT_S = 300

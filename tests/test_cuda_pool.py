@@ -31,8 +31,8 @@ from piecewise_helpers import double_rows
 
 from graphrt import GraphRunner, wrap
 from graphrt.backends.cuda import CudaPool
-from graphrt.reference import make_extend_batch
 from graphrt.entry import GraphEntry, GraphStatus
+from graphrt.reference import make_extend_batch
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 READY, FAILED = GraphStatus.READY, GraphStatus.FAILED

@@ -7,8 +7,8 @@ import torch
 from conftest import ToyPagedModel, decode_batch, static_checksums
 
 from graphrt import EagerReason, ForwardMode, GraphRunner, wrap
-from graphrt.graphed_callable import CHURN_LIMIT
 from graphrt.entry import GraphStatus
+from graphrt.graphed_callable import CHURN_LIMIT
 
 
 class FlakyModel(ToyPagedModel):

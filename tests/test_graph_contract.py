@@ -16,8 +16,8 @@ from conftest import ToyPagedModel, decode_batch
 
 from graphrt import GraphRunner, wrap
 from graphrt.backends.op_graph import HostSyncError
-from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs
 from graphrt.entry import GraphStatus
+from graphrt.reference import ReferenceConfig, build_reference, graph_runner_kwargs
 
 
 def runner_for(model, **options):

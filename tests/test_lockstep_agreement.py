@@ -17,8 +17,8 @@ from lockstep_helpers import CAPTURE_SIZES, SCHEDULE, AllReduceModel, agreed_siz
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
-from graphrt.parallel.lockstep import Lockstep, pad_forward_batch
 from graphrt.entry import GraphKey
+from graphrt.parallel.lockstep import Lockstep, pad_forward_batch
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

@@ -10,9 +10,9 @@ from graphrt import CaptureReport, EagerReason, ForwardMode, GraphedCallable, Gr
 from graphrt.backends import BACKEND_NAMES, EmulatedBackend, resolve_backend_name
 from graphrt.backends.emulated import OutputArena
 from graphrt.dispatch import Dispatcher
+from graphrt.entry import GraphEntry, GraphStatus
 from graphrt.pools.buffers import BufferPool, SimpleBufferPool
 from graphrt.capture import KeyCapture
-from graphrt.entry import GraphEntry, GraphStatus
 from graphrt.registry import Decision, GraphRegistry
 from graphrt.sizes import SizeGrid
 

@@ -24,9 +24,9 @@ from graphrt.check.report import CheckReport
 from graphrt.check.session import CheckSession
 from graphrt.check.splits import SplitScanRecorder, piece_refusal, split_sites
 from graphrt.dispatch import with_context
+from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind
 from graphrt.parallel.lockstep import pad_forward_batch
 from graphrt.capture import recorded_step
-from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind
 from graphrt.registry import GraphRegistry
 
 @runtime_checkable

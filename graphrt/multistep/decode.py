@@ -19,8 +19,8 @@ import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.dispatch import Dispatcher
-from graphrt.multistep.steps import NextTokens, chosen_tokens, run_steps
 from graphrt.entry import EagerReason, replay_or_eager
+from graphrt.multistep.steps import NextTokens, chosen_tokens, run_steps
 from graphrt.registry import GraphRegistry
 from graphrt.stats import RuntimeStats
 

@@ -23,10 +23,10 @@ import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.dispatch import DecodeStager, static_batch_for
+from graphrt.entry import GraphEntry, GraphKey
 from graphrt.forward_context import use_batch
 from graphrt.multistep.decode import Reason, unavailable_reason
 from graphrt.multistep.steps import NextTokens, batch_at_step, chosen_tokens
-from graphrt.entry import GraphEntry, GraphKey
 from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid
 from graphrt.staging import BufferSpec, InputBufferManager, RowAxis, StagingPlan

@@ -15,10 +15,10 @@ from typing import Any, Callable, Mapping, Sequence
 from graphrt.backends.state_journal import storage_key
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.dispatch import TokenStager, static_batch_for
+from graphrt.entry import PIECEWISE_REQS, GraphEntry, GraphKey, KeyKind
 from graphrt.forward_context import use_batch
 from graphrt.piecewise.graph import PieceRecorder
 from graphrt.piecewise.ops import SplittingOps
-from graphrt.entry import PIECEWISE_REQS, GraphEntry, GraphKey, KeyKind
 from graphrt.registry import GraphRegistry
 from graphrt.sizes import SizeGrid
 from graphrt.staging import InputBufferManager, RowAxis
