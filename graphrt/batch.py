@@ -186,7 +186,7 @@ class ForwardBatch:
             self._validate_extend(num_tokens)
         mirror = self.seq_lens_cpu
         if mirror is not None:
-            if not isinstance(mirror, torch.Tensor) or mirror.device.type != "cpu":
+            if not isinstance(mirror, torch.Tensor) or not mirror.is_cpu:
                 raise TypeError("seq_lens_cpu: expected a CPU tensor mirror of seq_lens")
             if mirror.shape != request_shape:
                 raise ValueError(f"seq_lens_cpu: expected shape [{batch_size}], got {list(mirror.shape)}")
@@ -252,8 +252,12 @@ class ForwardBatch:
         self._check_seq_lens_sum(self.seq_lens_cpu if not summed else values[-1])
 
     def _check_seq_lens_sum(self, seq_lens: Any) -> None:
-        """``seq_lens_sum`` against the sum of a host mirror (a tensor) or a sum already read (an int)."""
-        total = seq_lens if isinstance(seq_lens, int) else int(seq_lens.sum())
+        """``seq_lens_sum`` against the sum of a host mirror (a tensor: a small one summed as Python
+        ints, faster than a torch reduction) or a sum already read (an int)."""
+        if isinstance(seq_lens, int):
+            total = seq_lens
+        else:
+            total = sum(seq_lens.tolist()) if seq_lens.shape[0] <= HOST_LIST_ROWS else int(seq_lens.sum())
         if total != self.seq_lens_sum:
             raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
 

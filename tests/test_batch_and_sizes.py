@@ -9,6 +9,7 @@ import torch
 from conftest import decode_batch
 
 from graphrt import ForwardBatch, ForwardMode
+from graphrt.batch import HOST_LIST_ROWS
 from graphrt.sizes import SizeGrid, build_pad_table, default_capture_sizes, normalize_capture_sizes
 
 
@@ -48,13 +49,28 @@ def test_validate_extend_fields():
         decode_batch(2, **{**ok, "extend_start_loc": None}).validate()
 
 
-def test_validate_uses_cpu_mirror_for_sums():
-    batch = decode_batch(3)
+def large_decode_batch(batch_size: int) -> ForwardBatch:
+    """A valid DECODE batch of more rows than the Python-int checks take (HOST_LIST_ROWS)."""
+    rows = torch.arange(1, batch_size + 1)
+    seq_lens = (rows % 50 + 1).to(torch.int32)
+    return dataclasses.replace(decode_batch(1), batch_size=batch_size, input_ids=rows % 97, req_pool_indices=rows,
+                               seq_lens=seq_lens, out_cache_loc=rows, seq_lens_sum=int(seq_lens.sum()),
+                               positions=seq_lens.long() - 1)
+
+
+@pytest.mark.parametrize("check_values", [True, False], ids=["value_checks", "metadata_only"])
+@pytest.mark.parametrize("batch_size", [3, HOST_LIST_ROWS + 5], ids=["python_ints", "torch_sum"])
+def test_validate_uses_cpu_mirror_for_sums(batch_size, check_values):
+    batch = decode_batch(batch_size) if batch_size <= HOST_LIST_ROWS else large_decode_batch(batch_size)
     batch.seq_lens_cpu = batch.seq_lens.clone()
-    batch.validate()
+    batch.validate(check_values=check_values)
     batch.seq_lens_cpu = batch.seq_lens + 1
-    with pytest.raises(ValueError, match="seq_lens_sum"):
-        batch.validate()
+    with pytest.raises(ValueError, match=f"seq_lens_sum: expected seq_lens.sum\\(\\)={batch.seq_lens_sum + batch_size}"):
+        batch.validate(check_values=check_values)
+
+
+def test_validate_refuses_a_cpu_mirror_of_another_shape():
+    batch = decode_batch(3)
     batch.seq_lens_cpu = batch.seq_lens[:2]
     with pytest.raises(ValueError, match=r"seq_lens_cpu: expected shape \[3\]"):
         batch.validate()
