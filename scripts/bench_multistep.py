@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from bench_floor import CHECK_VARIANTS, LABELS, format_cost, one_op_model, without_context
 from bench_lib import Workload
-from bench_timing import Clock, Cost, Probe, Spread, Timed, time_rounds, verdict
+from bench_timing import COST_PARTS, Clock, Cost, Probe, Spread, Timed, time_rounds, verdict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrt import ForwardBatch, ForwardMode, GraphRunner
@@ -135,7 +135,8 @@ def steps_floor(runners: Mapping[str, GraphRunner], batch_size: int, clock: Cloc
             probes += [(f"{name}/decode/K={k}", lambda runner=runner, batch=batch, k=k: runner.decode(batch, k)),
                        (f"{name}/replay/K={k}", graph_of(runner, batch, k).replay)]
     trivial = torch.zeros(1, device=device)
-    inner, samples = time_rounds(clock, [*probes, ("trivial", lambda: trivial.add_(1))], iters, warmup)
+    inner, samples = time_rounds(clock, [*probes, ("trivial", lambda: trivial.add_(1))], iters, warmup,
+                                 best_of=COST_PARTS)
     timed = Timed(inner, {name: Spread.of(values) for name, values in samples.items()}, {})
     for name in runners:
         for k in K_VALUES:

@@ -4,8 +4,8 @@ Every figure is a sample of ``inner`` back-to-back calls, after one untimed call
 device synchronization and divided by ``inner`` (so timer resolution and launch queueing do
 not distort short calls); the callables compared with each other are sampled in interleaved
 rounds, so slow drifts of machine load hit every column alike. A cost (what one callable adds
-over another) is the per-round difference of two samples of the same round, and is printed as a
-cost only when it rises above the noise (``Cost``).
+over another) is the per-round difference of two samples of the same round, each the fastest of
+``COST_PARTS`` parts, and is printed as a cost only when it rises above the noise (``Cost``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 Probe = Tuple[str, Callable[[], Any]]
 # cost name -> (minuend probe, subtrahend probe or None for the minuend's own time, calls per minuend call)
 Pairs = Mapping[str, Tuple[str, Optional[str], int]]
+COST_PARTS = 3  # a cost's samples are each the best of this many parts (time_costs)
 
 
 @dataclass
@@ -110,15 +111,19 @@ def time_rounds(
     iters: int,
     warmup: int,
     on_round: Callable[[], None] = lambda: None,
+    best_of: int = 1,
 ) -> Tuple[Dict[str, int], Dict[str, List[float]]]:
     """Calls per sample and ``iters`` samples (µs per call) per probe, in interleaved rounds run
-    in ``probes`` order, with the heap built so far frozen; the first ``warmup`` rounds are discarded."""
+    in ``probes`` order, with the heap built so far frozen; the first ``warmup`` rounds are discarded.
+    ``best_of`` > 1: a sample is the fastest of that many parts of it (a preemption only ever adds
+    time, and one landing on either side of a paired difference would swing it)."""
     with frozen_gc():
         inner = {name: clock.calibrate(fn) for name, fn in probes}
         samples: Dict[str, List[float]] = {name: [] for name, _ in probes}
         for round_index in range(warmup + iters):
             for name, fn in probes:
-                value = clock.sample_us(fn, inner[name])
+                calls = max(1, inner[name] // best_of)
+                value = min(clock.sample_us(fn, calls) for _ in range(best_of))
                 if round_index >= warmup:
                     samples[name].append(value)
             on_round()
@@ -189,8 +194,10 @@ class Timed:
 def time_costs(clock: Clock, probes: Sequence[Probe], pairs: Pairs, iters: int, warmup: int,
                on_round: Callable[[], None] = lambda: None) -> Timed:
     """Time ``probes`` and the trivial op (``x.add_(1)`` on a one-element tensor of the clock's
-    device, last in every round) in interleaved rounds, and each cost of ``pairs`` from them."""
+    device, last in every round) in interleaved rounds, each sample the best of ``COST_PARTS``
+    parts, and each cost of ``pairs`` from them."""
     trivial = torch.zeros(1, device=clock.device)
-    inner, samples = time_rounds(clock, [*probes, ("trivial", lambda: trivial.add_(1))], iters, warmup, on_round)
+    inner, samples = time_rounds(clock, [*probes, ("trivial", lambda: trivial.add_(1))], iters, warmup, on_round,
+                                 best_of=COST_PARTS)
     return Timed(inner, {name: Spread.of(values) for name, values in samples.items()},
                  {name: Cost.paired(samples, *pair) for name, pair in pairs.items()})

@@ -289,3 +289,23 @@ def test_cuda_run_verifies_graphs(bench, tmp_path):
     assert doc["backend"] == "cuda" and doc["emulated"] is False and doc["verified"] is True
     assert "graph pool" in doc["capture"]["pool_bytes_label"]
     assert doc["machine"]["device_name"] == torch.cuda.get_device_name()
+
+
+def test_cost_samples_keep_the_fastest_part(bench):
+    """A preemption only adds time: with best_of=3 each sample is the fastest of 3 parts of a third of the calls."""
+    import bench_timing
+
+    class ScriptedClock(bench_timing.Clock):
+        def __init__(self) -> None:
+            super().__init__(torch.device("cpu"), 1e-3)
+            self.parts = iter([9.0, 4.0, 6.0, 5.0, 8.0, 7.0])
+
+        def calibrate(self, fn, warm_calls=3):
+            return 6
+
+        def sample_us(self, fn, calls):
+            assert calls == 2
+            return next(self.parts)
+
+    _, samples = bench_timing.time_rounds(ScriptedClock(), [("probe", lambda: None)], iters=2, warmup=0, best_of=3)
+    assert samples["probe"] == [4.0, 5.0]
