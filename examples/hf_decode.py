@@ -24,11 +24,11 @@ def decode(model: LlamaForCausalLM, prompt: torch.Tensor, wrapped: bool):
     cache = StaticCache(config=model.config, max_cache_len=64)
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+        return model(input_ids=input_ids, cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
 
     fast = wrap(step, max_batch_size=BATCH, capture_sizes=[BATCH]) if wrapped else step
     with torch.no_grad():
-        token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
         for position in range(PROMPT_LEN, PROMPT_LEN + STEPS):
             token = fast(token, torch.full((BATCH, 1), position, device=prompt.device)).argmax(-1, keepdim=True)

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from graphrt.graphed_callable import GraphedCallable, wrap
+from graphrt.hf_cache.cache_keyword import passed_cache_keyword
 from graphrt.hf_cache.cross_attention import CrossAttentionFills, needs_fill
 from graphrt.hf_multistep import MultiStepGenerate
 
@@ -49,14 +50,15 @@ class GenerateForward:
         self.fills = CrossAttentionFills()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("past_key_values")
-        if cache is None or not needs_fill(cache):
+        keyword = passed_cache_keyword(kwargs)
+        if keyword is None or not needs_fill(kwargs[keyword]):
             return self.fast(*args, **kwargs)
+        cache = kwargs[keyword]
         view = self.fills.view(cache)
-        output = self.fast(*args, **{**kwargs, "past_key_values": view})
+        output = self.fast(*args, **{**kwargs, keyword: view})
         self.fills.filled(cache)
-        if getattr(output, "past_key_values", None) is view:
-            output.past_key_values = cache  # generate() goes on with the cache it made
+        if getattr(output, keyword, None) is view:
+            setattr(output, keyword, cache)  # generate() goes on with the cache it made
         return output
 
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from graphrt.graphed_callable import GraphedCallable, wrap
+from graphrt.hf_cache.cache_keyword import accepted_cache_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class MultiStepGenerate:
         self.steps = steps_per_launch
         self.max_cache_len = max_cache_len
         self.caches: Dict[int, Any] = {}  # batch size -> its StaticCache
+        self.cache_keyword = accepted_cache_keyword(model.forward)
         # Every batch size a key of its own: a StaticCache is sized to its batch, so padding rows cannot share it.
         self.fast: GraphedCallable = wrap(self._launch, max_batch_size, list(range(1, max_batch_size + 1)), backend,
                                           **options)
@@ -45,8 +47,8 @@ class MultiStepGenerate:
         """``steps`` greedy decode steps from ``input_ids`` [B, 1] at ``position_ids`` [B, 1]: their tokens [B, steps]."""
         ids, chosen = input_ids, []
         for step in range(self.steps):
-            logits = self.model(input_ids=ids, past_key_values=cache, position_ids=position_ids + step,
-                                use_cache=True).logits[:, -1]
+            logits = self.model(input_ids=ids, position_ids=position_ids + step, use_cache=True,
+                                **{self.cache_keyword: cache}).logits[:, -1]
             ids = logits.argmax(-1, keepdim=True)
             chosen.append(ids)
         return torch.cat(chosen, dim=1)
@@ -80,8 +82,8 @@ class MultiStepGenerate:
         stops = _Stops(self.model.generation_config, batch, max_new_tokens, input_ids.device)
         cache = self._cache(batch)
         with torch.no_grad():
-            token = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(
-                -1, keepdim=True)
+            logits = self.model(input_ids=input_ids, use_cache=True, **{self.cache_keyword: cache}).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
             position = prompt
             stops.add(token)
             while not stops.done:

@@ -241,7 +241,7 @@ def decode_step(model, cache):
     """One greedy decode step over a StaticCache, as tests/test_hf_models.py and examples/hf_decode.py run it."""
 
     def step(input_ids, position_ids):
-        return model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+        return model(input_ids=input_ids, cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
 
     return step
 
@@ -256,7 +256,7 @@ def test_hugging_face_static_cache_decode_is_clean():
         cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
 
         with torch.no_grad():
-            token = model(input_ids=make_prompt(), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(input_ids=make_prompt(), cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
         report = graphrt.check(decode_step(model, cache), token, torch.full(token.shape, PROMPT_LEN))
         assert report.ok, str(report)

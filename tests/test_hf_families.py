@@ -117,7 +117,7 @@ def test_plain_wrap_replays_a_sliding_window_model_given_a_graph_safe_cache():
     for _ in range(2):
         cache.reset()
         replays = fast.stats()["graph_runs"]
-        assert torch.equal(generate(model, inputs, past_key_values=cache), expected)
+        assert torch.equal(generate(model, inputs, cache=cache), expected)
     assert fast.stats()["graph_runs"] - replays == NEW_TOKENS
 
 
@@ -133,11 +133,11 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
             cache = graph_safe_cache(cache)
 
         def step(input_ids, position_ids):
-            return model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids).logits[:, -1]
+            return model(input_ids=input_ids, cache=cache, position_ids=position_ids).logits[:, -1]
 
         fast = graphrt.wrap(step, max_batch_size=2, capture_sizes=[2]) if wrapped else step
         with torch.no_grad():
-            token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, cache=cache).logits[:, -1:].argmax(-1)
             for position in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1):
                 token = fast(token, torch.full((2, 1), position)).argmax(-1, keepdim=True)
                 tokens.append(token)

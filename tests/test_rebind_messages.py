@@ -36,7 +36,7 @@ def test_a_hugging_face_cache_layer_is_named_with_graph_generate_and_graph_safe_
     model = tiny_model("llama")
 
     def step(ids, cache):
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
 
     cache = transformers.DynamicCache(config=model.config)
     fast = wrap(step, max_batch_size=2, capture_sizes=[2], backend="emulated")

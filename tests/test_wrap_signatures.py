@@ -15,6 +15,7 @@ import torch
 from conftest import ToyPagedModel, decode_batch
 
 from graphrt import ForwardMode, GraphRunner, wrap
+from graphrt.hf_cache.cache_keyword import accepted_cache_keyword
 
 ATOL, RTOL = 1e-5, 1e-4
 LAYERS, HIDDEN = 2, 16
@@ -332,7 +333,8 @@ def test_hf_model_with_use_cache_is_refused_naming_the_cache_output():
     stats = fast.stats()
     assert stats["eager_reasons"] == {"warmup": 1, "capture_failed": 2}
     reason = stats["failed_keys"]["call/bs=4"]
-    assert "output.past_key_values is a transformers.cache_utils.DynamicCache, not a tensor pytree" in reason
+    keyword = accepted_cache_keyword(model.forward)  # the output field transformers returns the cache in
+    assert f"output.{keyword} is a transformers.cache_utils.DynamicCache, not a tensor pytree" in reason
 
 
 def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
@@ -340,7 +342,7 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
     model = tiny_llama()
 
     def step(ids, cache):
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
 
     generator = torch.Generator().manual_seed(13)
     prompt = torch.randint(0, 64, (2, 5), generator=generator)
@@ -349,7 +351,7 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
         cache = transformers.DynamicCache(config=model.config)
         fast = wrap(step, max_batch_size=2, capture_sizes=[2], backend="emulated") if wrapped else step
         with torch.no_grad():
-            token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
             for _ in range(4):
                 token = fast(token, cache).argmax(-1, keepdim=True)
                 tokens.append(token)
@@ -370,11 +372,11 @@ def test_hf_model_with_a_static_cache_argument_replays_and_returns_that_cache():
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
         fast = wrap(model, max_batch_size=2, capture_sizes=[2], backend="emulated") if wrapped else model
         with torch.no_grad():
-            token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
             for position in range(5, 10):
-                out = fast(input_ids=token, past_key_values=cache, position_ids=torch.full((2, 1), position),
+                out = fast(input_ids=token, cache=cache, position_ids=torch.full((2, 1), position),
                            use_cache=True)
-                assert out.past_key_values is cache, "an object passed in comes back as itself"
+                assert out.cache is cache, "an object passed in comes back as itself"
                 token = out.logits[:, -1:].argmax(-1)
                 tokens.append(token)
         if wrapped:
