@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -54,7 +55,16 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "transformers": installed_version("transformers"),  # the Hugging Face section's; None without it
     }
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution``, None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _us(value: float) -> str:

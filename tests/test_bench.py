@@ -52,6 +52,11 @@ def test_emulated_run_records_every_figure(bench, tmp_path, capsys):
     assert settings["backend"] == "emulated" and settings["threads"] == 1
     machine = doc["machine"]
     assert machine["torch"] == torch.__version__ and machine["device_name"] and machine["cpu_cores"] >= 1
+    try:
+        import transformers
+    except ImportError:  # the GPU image has no transformers
+        transformers = None
+    assert machine["transformers"] == getattr(transformers, "__version__", None)
     model = doc["model"]
     assert model["preset"] == "tiny" and model["parameters"] > 0 and model["config"]["num_layers"] == 2
     assert doc["trivial_op_us"]["median"] > 0
