@@ -3,8 +3,11 @@ steps of one graph, a backend without it, and greedy generation with ``steps_per
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from fake_cuda import BEHAVIOURS, install
 from multistep_helpers import eager_steps
 
 from graphrt import GraphRunner
@@ -114,6 +117,39 @@ def test_launches_on_cuda_graphs_equal_eager_steps():
     assert torch.equal(graph_tokens, tokens)
     for got, want in zip(graph_kv, kv):
         torch.testing.assert_close(got[1:], want[1:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOURS, ids=lambda behaviour: f"fake-torch-{behaviour.name}")
+def test_launches_through_the_cuda_backend_share_its_pool_and_equal_eager_steps(behaviour, monkeypatch):
+    """The CUDA backend's path for multi-step keys, over tests/fake_cuda.py (PyTorch's graph-pool
+    rules, CPU tensors standing for device memory): every key, single- and multi-step, captured into
+    the one shared pool and ready; each launch one replay of a recorded CUDA graph, with the tokens
+    and KV cache of eager steps; the allocator left sound (no assertion, no routing left)."""
+    with install(monkeypatch, behaviour) as fake:
+        model, backend, pools, runner = reference(backend="cuda")
+        assert runner.backend_name == "cuda"
+        graphs = {str(key): entry.graph for key, entry in runner.registry.entries.items()}
+        assert sorted(graphs) == ["decode/bs=2", "decode/bs=2,steps=4", "decode/bs=4", "decode/bs=4,steps=4"]
+        assert len({tuple(graph.graph.pool()) for graph in graphs.values()}) == 1, "one pool for every key"
+        forwards = []
+        model.register_forward_pre_hook(lambda module, args: forwards.append(module))
+
+        def decode(batch, steps):
+            forwards.clear()  # the prefill ran the model eagerly
+            tokens = runner.decode(batch, steps)
+            assert forwards == [], "the model's Python ran during a multi-step replay"
+            return tokens
+
+        graph_tokens, graph_kv = launches(model, backend, pools, decode)
+        assert runner.stats()["multi_step_runs"] == 2, runner.stats()["multi_step_fallbacks"]
+        del runner, graphs, decode
+        gc.collect()
+        assert fake.allocator.asserts == [] and fake.aborts == [] and fake.allocator.captures_underway == []
+    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8)
+    tokens, kv = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model))
+    assert torch.equal(graph_tokens, tokens)
+    for got, want in zip(graph_kv, kv):
+        torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
 
 
 def test_a_no_op_advance_step_reads_stale_metadata_and_gives_other_tokens():
