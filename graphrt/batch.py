@@ -17,8 +17,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-HOST_LIST_ROWS = 128  # host batches up to this many rows are value-checked as Python ints (faster than torch ops)
-HOST_LIST_SLOTS = 256  # and decode(): up to this many slots of every step (past it one torch reduction is faster)
+# Host batches whose index fields hold up to about this many values are value-checked as Python ints
+# (tolist() and min/max in Python); past it the fused torch reductions are faster (measured on CPU:
+# 5 decode fields x 64 rows 12 us as ints, 15 us as reductions; x 128 rows 19 against 15).
+HOST_LIST_VALUES = 400
+HOST_SUM_ROWS = 128  # a seq_lens_cpu mirror up to this many rows is summed as Python ints
 DEBUG_ENV = "GRAPHRT_DEBUG"
 
 
@@ -193,8 +196,8 @@ class ForwardBatch:
         if check_values is None:
             check_values = device.type == "cpu" or (debug_enabled() if debug is None else debug)
         if check_values:
-            if (device.type == "cpu" and num_tokens <= HOST_LIST_ROWS and batch_size <= HOST_LIST_ROWS
-                    and num_tokens * steps <= HOST_LIST_SLOTS):
+            longest = max(num_tokens, batch_size)  # an upper bound of each field's values, cheaper than counting
+            if device.type == "cpu" and len(tensors) * longest + (steps - 1) * batch_size <= HOST_LIST_VALUES:
                 self._check_host_values(specs, tensors, limits)
             else:
                 self._check_values(specs, tensors, limits)
@@ -257,7 +260,7 @@ class ForwardBatch:
         if isinstance(seq_lens, int):
             total = seq_lens
         else:
-            total = sum(seq_lens.tolist()) if seq_lens.shape[0] <= HOST_LIST_ROWS else int(seq_lens.sum())
+            total = sum(seq_lens.tolist()) if seq_lens.shape[0] <= HOST_SUM_ROWS else int(seq_lens.sum())
         if total != self.seq_lens_sum:
             raise ValueError(f"seq_lens_sum: expected seq_lens.sum()={total}, got {self.seq_lens_sum}")
 

@@ -74,3 +74,12 @@ def pad_batch(batch: ForwardBatch, padded: int, scratch: int = SCRATCH_SLOT) -> 
 def static_checksums(runner) -> dict:
     """A copy of every static input tensor, to prove bad input leaves them unchanged."""
     return {name: slot.tensor.clone() for name, slot in runner.buffers.slots.items()}
+
+
+@pytest.fixture(params=["python_ints", "torch_reductions"])
+def value_check_path(request, monkeypatch):
+    """Both ways ``ForwardBatch.validate`` reads host values: as Python ints (small batches) and as
+    fused torch reductions (batches of more values than ``HOST_LIST_VALUES``, and device tensors)."""
+    if request.param == "torch_reductions":
+        monkeypatch.setattr("graphrt.batch.HOST_LIST_VALUES", 0)
+    return request.param

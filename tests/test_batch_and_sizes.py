@@ -9,7 +9,7 @@ import torch
 from conftest import decode_batch
 
 from graphrt import ForwardBatch, ForwardMode
-from graphrt.batch import HOST_LIST_ROWS
+from graphrt.batch import HOST_SUM_ROWS
 from graphrt.sizes import SizeGrid, build_pad_table, default_capture_sizes, normalize_capture_sizes
 
 
@@ -50,7 +50,7 @@ def test_validate_extend_fields():
 
 
 def large_decode_batch(batch_size: int) -> ForwardBatch:
-    """A valid DECODE batch of more rows than the Python-int checks take (HOST_LIST_ROWS)."""
+    """A valid DECODE batch of more rows than the Python-int checks take (HOST_SUM_ROWS)."""
     rows = torch.arange(1, batch_size + 1)
     seq_lens = (rows % 50 + 1).to(torch.int32)
     return dataclasses.replace(decode_batch(1), batch_size=batch_size, input_ids=rows % 97, req_pool_indices=rows,
@@ -59,9 +59,9 @@ def large_decode_batch(batch_size: int) -> ForwardBatch:
 
 
 @pytest.mark.parametrize("check_values", [True, False], ids=["value_checks", "metadata_only"])
-@pytest.mark.parametrize("batch_size", [3, HOST_LIST_ROWS + 5], ids=["python_ints", "torch_sum"])
+@pytest.mark.parametrize("batch_size", [3, HOST_SUM_ROWS + 5], ids=["python_ints", "torch_sum"])
 def test_validate_uses_cpu_mirror_for_sums(batch_size, check_values):
-    batch = decode_batch(batch_size) if batch_size <= HOST_LIST_ROWS else large_decode_batch(batch_size)
+    batch = decode_batch(batch_size) if batch_size <= HOST_SUM_ROWS else large_decode_batch(batch_size)
     batch.seq_lens_cpu = batch.seq_lens.clone()
     batch.validate(check_values=check_values)
     batch.seq_lens_cpu = batch.seq_lens + 1

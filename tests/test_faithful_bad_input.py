@@ -121,7 +121,8 @@ BACKENDS_WITH_DEBUG = [pytest.param((*param.values[0], None if param.id == "emul
 
 @pytest.mark.parametrize("field", ["out_cache_loc", "req_pool_indices"])
 @pytest.mark.parametrize("backend_device_debug", BACKENDS_WITH_DEBUG)
-def test_an_index_past_a_known_pool_is_refused_by_validation_naming_the_field(backend_device_debug, field):
+def test_an_index_past_a_known_pool_is_refused_by_validation_naming_the_field(backend_device_debug, field,
+                                                                            value_check_path):
     """With the KV pool and the request pool in ``batch_context``, an index past either is a
     ``ValueError`` naming the field and the pool's size, raised before anything is staged or run
     (on CPU host tensors always, on CUDA with ``debug=True``); the valid batch then replays."""

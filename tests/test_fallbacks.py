@@ -134,7 +134,8 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize("field,overrides,error,message", MALFORMED, ids=[m[1].__repr__()[:40] for m in MALFORMED])
-def test_malformed_batches_raise_naming_the_field_and_leave_static_tensors(field, overrides, error, message):
+def test_malformed_batches_raise_naming_the_field_and_leave_static_tensors(field, overrides, error, message,
+                                                                        value_check_path):
     runner = runner_for(ToyPagedModel())
     runner.capture()
     runner(decode_batch(5, seed=9))

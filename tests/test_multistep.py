@@ -217,8 +217,8 @@ def test_a_replay_that_raises_reruns_the_steps_one_by_one_and_disables_the_key()
 ])
 @pytest.mark.parametrize("value_checks", ["python_ints", "torch_reductions"])
 def test_bad_input_names_the_field_and_writes_nothing(bad, error, field, value_checks, monkeypatch):
-    if value_checks == "torch_reductions":  # the path of batches with more slots than HOST_LIST_SLOTS
-        monkeypatch.setattr("graphrt.batch.HOST_LIST_SLOTS", 0)
+    if value_checks == "torch_reductions":  # the path of batches of more values than HOST_LIST_VALUES
+        monkeypatch.setattr("graphrt.batch.HOST_LIST_VALUES", 0)
     model = TableAttentionModel()
     runner = table_runner(model)
     batch = TableEngine(model, 3).launch(STEPS)
