@@ -21,6 +21,7 @@ from graphrt.layout.tensor_tree import unflatten
 
 logger = logging.getLogger(__name__)
 
+
 class KeyKind(str, enum.Enum):
     """What a key's graph is: the whole step, pieces around ops run eagerly (splitting ops), or a
     call of a function ``wrap()`` graphs (whatever the call computes: a prefill, a decode step)."""

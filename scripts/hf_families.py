@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,8 +87,8 @@ def cache_layers(model: torch.nn.Module) -> str:
 
 def table(families: Sequence[str], new_tokens: int) -> List[str]:
     """The Markdown table, one row per family."""
-    lines = [f"| family | cache layers (as handed to generate()) | replayed, repeated call: left-padded | unpadded | "
-             f"tokens = eager's | notes |", "|---|---|---|---|---|---|"]
+    lines = ["| family | cache layers (as handed to generate()) | replayed, repeated call: left-padded | unpadded | "
+             "tokens = eager's | notes |", "|---|---|---|---|---|---|"]
     for family in families:
         padded, layers = measure(family, 1, new_tokens)
         unpadded, _ = measure(family, 0, new_tokens)

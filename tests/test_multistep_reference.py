@@ -134,7 +134,7 @@ def test_launches_through_the_cuda_backend_share_its_pool_and_equal_eager_steps(
         forwards = []
         model.register_forward_pre_hook(lambda module, args: forwards.append(module))
 
-        def decode(batch, steps):
+        def decode(batch, steps, runner=runner):
             forwards.clear()  # the prefill ran the model eagerly
             tokens = runner.decode(batch, steps)
             assert forwards == [], "the model's Python ran during a multi-step replay"
