@@ -11,7 +11,7 @@ of WINDOW tokens, shorter than prompt + new tokens: the window slides while grap
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import pytest
 import torch
@@ -61,6 +61,20 @@ def repeated_call(family: str, batch: int = 2, padded_rows: int = 1):
         calls, replays = counter.calls, fast.stats()["graph_runs"]
         assert_same_generation(generate(model, inputs, seed, **outputs), expected, family)
     return fast, counter.calls - calls, fast.stats()["graph_runs"] - replays, model
+
+
+def twice_against_eager(family: str, inputs: Dict[str, Any], check: Callable[[Any, Any], None], **options: Any):
+    """graph_generate() on ``family`` called twice with ``options``, each result checked against eager generate()
+    on transformers' static cache by ``check(got, expected)``. Returns (the GraphedCallable, forward calls and
+    replays of the second call)."""
+    model = tiny_model(family)
+    expected = generate(copy.deepcopy(model), inputs, cache_implementation="static", **options)
+    fast = graph_generate(model, max_batch_size=4)
+    counter = ForwardCalls(model)
+    for _ in range(2):
+        calls, replays = counter.calls, fast.stats()["graph_runs"]
+        check(generate(model, inputs, **options), expected)
+    return fast, counter.calls - calls, fast.stats()["graph_runs"] - replays
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -150,33 +164,20 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
 def test_beam_search_reorders_the_cache_in_place(family):
     """Beam search reorders the cache between steps; transformers' reorder_cache rebinds every layer's tensors,
     which graphs recorded before never read (the tokens differed). graph_generate's caches reorder in place."""
-    model = tiny_model(family)
-    reference = copy.deepcopy(model)
-    inputs = family_inputs(family, 2, PROMPT_LEN)
-    options = dict(num_beams=2, return_dict_in_generate=True, output_scores=True)
-    expected = generate(reference, inputs, cache_implementation="static", **options)
-    fast = graph_generate(model, max_batch_size=4)
-    counter = ForwardCalls(model)
-    for _ in range(2):
-        calls, replays = counter.calls, fast.stats()["graph_runs"]
-        got = generate(model, inputs, **options)
+    def same_beams(got: Any, expected: Any) -> None:
         assert torch.equal(got.sequences, expected.sequences)
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores)
-    assert fast.stats()["graph_runs"] - replays == counter.calls - calls
+
+    _, calls, replays = twice_against_eager(family, family_inputs(family, 2, PROMPT_LEN), same_beams,
+                                            num_beams=2, return_dict_in_generate=True, output_scores=True)
+    assert replays == calls
 
 
 def test_a_chunked_prefill_replays_one_graph_whatever_the_window_holds():
     """generate(prefill_chunk_size=3) on a 9-token prompt: three 3-token steps at 0, 3 and 6 tokens already
     cached, the window of 4 empty, filling and full; the ring's ops depend on the step's size only, so the
     chunk's graph replays for all three, with eager's tokens and logits."""
-    model = tiny_model("gemma3")
-    reference = copy.deepcopy(model)
-    inputs = family_inputs("gemma3", 2, 9)
-    options = dict(prefill_chunk_size=3, return_dict_in_generate=True, output_logits=True)
-    expected = generate(reference, inputs, cache_implementation="static", **options)
-    fast = graph_generate(model, max_batch_size=4)
-    counter = ForwardCalls(model)
-    for _ in range(2):
-        calls, replays = counter.calls, fast.stats()["graph_runs"]
-        assert_same_generation(generate(model, inputs, **options), expected, "gemma3")
-    assert fast.stats()["graph_runs"] - replays == counter.calls - calls == 3 + NEW_TOKENS - 1
+    _, calls, replays = twice_against_eager(
+        "gemma3", family_inputs("gemma3", 2, 9), lambda got, expected: assert_same_generation(got, expected, "gemma3"),
+        prefill_chunk_size=3, return_dict_in_generate=True, output_logits=True)
+    assert replays == calls == 3 + NEW_TOKENS - 1

@@ -82,28 +82,46 @@ def eager_decode(model):
     return lambda batch, steps: eager_steps(lambda each: run_eager(model, each), batch, steps)
 
 
+def replays_only(model, runner):
+    """``runner.decode``, asserting that the model's ``forward`` does not run during it (the prefill's
+    eager run is forgotten first); and the list of calls seen, for other hooks to append to."""
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append("forward"))
+
+    def decode(batch, steps):
+        calls.clear()
+        tokens = runner.decode(batch, steps)
+        assert calls == [], f"the model's Python ran during a multi-step replay: {calls}"
+        return tokens
+
+    return decode, calls
+
+
+def eager_launches(count=2, device="cpu"):
+    """``launches`` of a fresh reference model (the same weights) run as eager steps."""
+    model, backend, pools = build_reference(CONFIG, num_requests=8, device=device)
+    return launches(model, backend, pools, eager_decode(model), count)
+
+
+def assert_equal_eager_launches(graph_tokens, graph_kv, device="cpu", tolerance=1e-5):
+    """The launches' tokens are those of the same launches run as eager steps, and every KV slot a
+    request owns is within ``tolerance`` of eager's (padding changes GEMM shapes)."""
+    tokens, kv = eager_launches(device=device)
+    assert torch.equal(graph_tokens, tokens)
+    for got, want in zip(graph_kv, kv):
+        torch.testing.assert_close(got[1:], want[1:], atol=tolerance, rtol=tolerance)
+
+
 def test_launches_equal_eager_steps_and_the_models_python_does_not_run():
     """Padded (3 requests, key 4) consecutive launches: the tokens of unpadded eager steps, the KV
     cache of every slot a request owns within rounding (padding changes GEMM shapes); no forward
     and no advance_step call during the replays."""
     model, backend, pools, runner = reference()
-    calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append("forward"))
+    decode, calls = replays_only(model, runner)
     backend.advance_step = lambda batch, advance=backend.advance_step: (calls.append("advance"), advance(batch))
-
-    def decode(batch, steps):
-        calls.clear()  # the prefill ran the model eagerly
-        tokens = runner.decode(batch, steps)
-        assert calls == [], "the model's Python ran during a multi-step replay"
-        return tokens
-
     graph_tokens, graph_kv = launches(model, backend, pools, decode)
     assert runner.stats()["multi_step_runs"] == 2, runner.stats()["multi_step_fallbacks"]
-    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8)
-    tokens, kv = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model))
-    assert torch.equal(graph_tokens, tokens)
-    for got, want in zip(graph_kv, kv):
-        torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
+    assert_equal_eager_launches(graph_tokens, graph_kv)
 
 
 @pytest.mark.cuda
@@ -112,11 +130,7 @@ def test_launches_on_cuda_graphs_equal_eager_steps():
     model, backend, pools, runner = reference(device="cuda")
     graph_tokens, graph_kv = launches(model, backend, pools, runner.decode)
     assert runner.backend_name == "cuda" and runner.stats()["multi_step_runs"] == 2
-    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8, device="cuda")
-    tokens, kv = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model))
-    assert torch.equal(graph_tokens, tokens)
-    for got, want in zip(graph_kv, kv):
-        torch.testing.assert_close(got[1:], want[1:], atol=1e-4, rtol=1e-4)
+    assert_equal_eager_launches(graph_tokens, graph_kv, device="cuda", tolerance=1e-4)
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS, ids=lambda behaviour: f"fake-torch-{behaviour.name}")
@@ -131,25 +145,13 @@ def test_launches_through_the_cuda_backend_share_its_pool_and_equal_eager_steps(
         graphs = {str(key): entry.graph for key, entry in runner.registry.entries.items()}
         assert sorted(graphs) == ["decode/bs=2", "decode/bs=2,steps=4", "decode/bs=4", "decode/bs=4,steps=4"]
         assert len({tuple(graph.graph.pool()) for graph in graphs.values()}) == 1, "one pool for every key"
-        forwards = []
-        model.register_forward_pre_hook(lambda module, args: forwards.append(module))
-
-        def decode(batch, steps, runner=runner):
-            forwards.clear()  # the prefill ran the model eagerly
-            tokens = runner.decode(batch, steps)
-            assert forwards == [], "the model's Python ran during a multi-step replay"
-            return tokens
-
+        decode, _ = replays_only(model, runner)
         graph_tokens, graph_kv = launches(model, backend, pools, decode)
         assert runner.stats()["multi_step_runs"] == 2, runner.stats()["multi_step_fallbacks"]
         del runner, graphs, decode
         gc.collect()
         assert fake.allocator.asserts == [] and fake.aborts == [] and fake.allocator.captures_underway == []
-    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8)
-    tokens, kv = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model))
-    assert torch.equal(graph_tokens, tokens)
-    for got, want in zip(graph_kv, kv):
-        torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
+    assert_equal_eager_launches(graph_tokens, graph_kv)
 
 
 def test_a_no_op_advance_step_reads_stale_metadata_and_gives_other_tokens():
@@ -157,8 +159,7 @@ def test_a_no_op_advance_step_reads_stale_metadata_and_gives_other_tokens():
     reads the same stale metadata) but its tokens are not the eager steps'."""
     model, backend, pools, runner = reference(StaleBackend)
     stale, _ = launches(model, backend, pools, runner.decode, count=1)
-    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8)
-    tokens, _ = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model), count=1)
+    tokens, _ = eager_launches(count=1)
     assert runner.stats()["multi_step_runs"] == 1 and not torch.equal(stale, tokens)
 
 
@@ -166,8 +167,7 @@ def test_a_backend_without_advance_step_runs_single_step_replays_with_a_reason()
     model, backend, pools, runner = reference(NoAdvanceBackend)
     assert all(key.steps == 1 for key in runner.registry.entries), "no multi-step key is captured"
     tokens, _ = launches(model, backend, pools, runner.decode, count=1)
-    eager_model, eager_backend, eager_pools = build_reference(CONFIG, num_requests=8)
-    expected, _ = launches(eager_model, eager_backend, eager_pools, eager_decode(eager_model), count=1)
+    expected, _ = eager_launches(count=1)
     stats = runner.stats()
     assert torch.equal(tokens, expected)
     assert stats["multi_step_fallbacks"] == {"no_advance_step": 1} and stats["graph_runs"] == STEPS
