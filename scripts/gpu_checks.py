@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from graphrt import ForwardBatch, GraphRunner
+from graphrt.backends.cuda import stream_capturing
 from graphrt.entry import GraphStatus
 from graphrt.reference import make_decode_batch
 
@@ -45,13 +46,6 @@ def expect(ok: bool, message: str) -> None:
     if not ok:
         raise CheckFailed(message)
 
-
-def capturing() -> bool:
-    """Whether the current CUDA stream captures (a CPU build of torch raises: not capturing)."""
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        return False
 
 
 class Misbehaving(torch.nn.Module):
@@ -76,9 +70,9 @@ class Misbehaving(torch.nn.Module):
     def misbehave(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.misbehaviour == "item":
             return hidden / max(1.0, float(hidden.abs().max().item()))
-        if self.misbehaviour == "raise" and capturing():
+        if self.misbehaviour == "raise" and stream_capturing():
             raise ValueError(f"this model cannot be captured at batch size {self.at}")
-        if self.misbehaviour == "differ" and capturing():
+        if self.misbehaviour == "differ" and stream_capturing():
             return hidden + 1.0
         return hidden
 

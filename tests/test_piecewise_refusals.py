@@ -13,7 +13,7 @@ from ubatch_helpers import make_batch
 import graphrt
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
 from graphrt.capture import capture_graph, verify_graph
-from graphrt.backends.cuda import CudaGraphBackend
+from graphrt.backends.cuda import CudaGraphBackend, stream_capturing
 from graphrt.layout.tensor_tree import same_value
 from graphrt.piecewise import resolve_splitting_ops
 from graphrt.piecewise.graph import PieceRecorder
@@ -35,16 +35,9 @@ class SplitToy(torch.nn.Module):
         if self.read_field is not None:
             hidden = hidden + getattr(forward_batch, self.read_field).sum()
         if self.capture_only_path:  # a path taken only while recorded: a replay cannot equal eager
-            hidden = hidden + float(capturing())
+            hidden = hidden + float(stream_capturing() is True)
         return hidden * 3
 
-
-def capturing() -> bool:
-    """Whether a CUDA stream captures (a CPU build of torch raises outside a capture)."""
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        return False
 
 
 def toy_runner(model, **options) -> GraphRunner:

@@ -13,16 +13,10 @@ import pytest
 import torch
 
 from graphrt import GraphRunner, wrap
+from graphrt.backends.cuda import stream_capturing
 from graphrt.entry import GraphStatus
 from tests.conftest import ToyPagedModel, decode_batch
 
-
-def capturing() -> bool:
-    """``torch.cuda.is_current_stream_capturing()``; a CPU build of torch raises outside a capture."""
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        return False
 
 
 class PathUnderCapture(torch.nn.Module):
@@ -34,7 +28,7 @@ class PathUnderCapture(torch.nn.Module):
         self.register_buffer("seen", torch.zeros(4))
 
     def forward(self, x):
-        under_capture = capturing()
+        under_capture = stream_capturing() is True
         if self.write_state:
             self.seen.copy_(torch.full((4,), 2.0 if under_capture else 1.0))  # state differs, output does not
             return x * 2
@@ -127,7 +121,7 @@ def test_runner_key_whose_replay_differs_is_verify_failed_and_counted():
 
         def forward(self, input_ids, positions, forward_batch):
             hidden = self.embed(input_ids)
-            return hidden * 2 if capturing() else hidden
+            return hidden * 2 if stream_capturing() else hidden
 
     model = CaptureBranch()
     runner = GraphRunner(model, max_batch_size=4, capture_sizes=[2, 4], backend="emulated", progress=False)
