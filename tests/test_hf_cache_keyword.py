@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from graphrt.hf import GenerateForward
-from graphrt.hf_cache.cache_keyword import accepted_cache_keyword, passed_cache_keyword
+from graphrt.hf.cache_keyword import accepted_cache_keyword, passed_cache_keyword
 
 
 def forward_5_24(input_ids, cache=None, use_cache=None):

@@ -24,7 +24,7 @@ from hf_helpers import (  # noqa: E402
 
 import graphrt  # noqa: E402
 from graphrt.hf import graph_generate, graph_safe_cache  # noqa: E402
-from graphrt.hf_cache.window_layers import CacheLongWindowLayer, SlidingRingLayer  # noqa: E402
+from graphrt.hf.window_layers import CacheLongWindowLayer, SlidingRingLayer  # noqa: E402
 
 NEW_TOKENS = 8
 PROMPT_LEN = 5

@@ -1,4 +1,4 @@
-"""graphrt.hf_cache: graph-safe sliding-window layers against transformers' own, layer kinds, the swap.
+"""graphrt.hf window layers: graph-safe sliding-window layers against transformers' own, layer kinds, the swap.
 
 The replacements must answer like transformers' StaticSlidingWindowLayer (mask offset, sequence
 length, keys and values at every position the mask shows) for any window and any sequence of
@@ -21,9 +21,9 @@ from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSl
 
 import graphrt  # noqa: E402
 from graphrt.hf import StaticCachePool, graph_generate, graph_safe_cache  # noqa: E402
-from graphrt.hf_cache import layer_kinds as kinds_module  # noqa: E402
-from graphrt.hf_cache.layer_kinds import layer_kinds  # noqa: E402
-from graphrt.hf_cache.window_layers import (  # noqa: E402
+from graphrt.hf import layer_kinds as kinds_module  # noqa: E402
+from graphrt.hf.layer_kinds import layer_kinds  # noqa: E402
+from graphrt.hf.window_layers import (  # noqa: E402
     CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, replacement_mismatch, ring_mismatch,
 )
 

@@ -53,7 +53,7 @@ def test_the_check_detects_a_cycle():
 
 
 def test_importing_graphrt_and_its_hugging_face_front_does_not_import_transformers():
-    """transformers is a test and bench dependency: graphrt.hf imports graphrt.hf_cache's transformers-backed
+    """transformers is a test and bench dependency: graphrt.hf imports its transformers-backed
     modules only inside the functions that need them."""
     code = "import sys, graphrt, graphrt.hf; print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}

@@ -15,7 +15,7 @@ import torch
 from conftest import ToyPagedModel, decode_batch
 
 from graphrt import ForwardMode, GraphRunner, wrap
-from graphrt.hf_cache.cache_keyword import accepted_cache_keyword
+from graphrt.hf.cache_keyword import accepted_cache_keyword
 
 ATOL, RTOL = 1e-5, 1e-4
 LAYERS, HIDDEN = 2, 16

@@ -8,9 +8,9 @@ and records its graphs again. ``graph_generate`` wraps ``forward`` and hands ``g
 same cache again (reset in place) for the same batch size, cache length and encoder length, so
 later calls replay from their first forward call. The caches it hands out are graph-safe:
 sliding-window layers, which keep a Python counter in transformers, are replaced by layers whose
-state is on the device (graphrt.hf_cache); an encoder-decoder cache's first step, which computes
+state is on the device (graphrt.hf.window_layers); an encoder-decoder cache's first step, which computes
 the cross-attention keys and values, goes through a view of the cache of its own
-(graphrt.hf_cache.cross_attention). Layer kinds it cannot graph are named up front.
+(graphrt.hf.cross_attention). Layer kinds it cannot graph are named up front.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.hf_cache.cache_keyword import passed_cache_keyword
-from graphrt.hf_cache.cross_attention import CrossAttentionFills, needs_fill
-from graphrt.hf_multistep import MultiStepGenerate
+from graphrt.hf.cache_keyword import passed_cache_keyword
+from graphrt.hf.cross_attention import CrossAttentionFills, needs_fill
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
     which keep a Python counter, are replaced by layers whose state is on the device. With the model's
     ``config``, a window longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
-    from graphrt.hf_cache.layer_kinds import make_graph_safe
+    from graphrt.hf.layer_kinds import make_graph_safe
 
     return make_graph_safe(cache, config)
 
@@ -86,7 +85,7 @@ class StaticCachePool:
             cache.reset()  # zeroes keys, values and the length counters in place: the graphs' tensors stay
             self.reused += 1
             return cache
-        from graphrt.hf_cache.layer_kinds import layer_kinds
+        from graphrt.hf.layer_kinds import layer_kinds
 
         cache = graph_safe_cache(self.prepare(
             cache_implementation=cache_implementation, batch_size=batch_size, max_cache_len=max_cache_len,
@@ -104,7 +103,7 @@ def warn_unsupported_layers(model: Any) -> None:
     try:
         from transformers import StaticCache
 
-        from graphrt.hf_cache.layer_kinds import layer_kinds
+        from graphrt.hf.layer_kinds import layer_kinds
 
         kinds = layer_kinds(StaticCache(config=model.config.get_text_config(decoder=True),
                                         max_cache_len=PROBE_CACHE_LENGTH))
@@ -153,4 +152,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["GenerateForward", "MultiStepGenerate", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "StaticCachePool", "graph_generate", "graph_safe_cache"]

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.hf_cache.cache_keyword import accepted_cache_keyword
+from graphrt.hf.cache_keyword import accepted_cache_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class MultiStepGenerate:
         if cache is None:
             from transformers import StaticCache
 
-            from graphrt.hf_cache.layer_kinds import make_graph_safe  # sliding windows: their state on the device
+            from graphrt.hf.layer_kinds import make_graph_safe  # sliding windows: their state on the device
 
             cache = self.caches[batch_size] = make_graph_safe(
                 StaticCache(config=self.model.config, max_cache_len=self.max_cache_len), self.model.config)

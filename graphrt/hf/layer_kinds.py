@@ -7,7 +7,7 @@ anything):
 * ``StaticLayer``: the count and the keys/values are tensors written in place; replays as is.
 * ``DummyLayer``: holds nothing (shared-KV and attention-free layers).
 * ``StaticSlidingWindowLayer``: keeps a Python int it branches on; replaced by
-  ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf_cache.window_layers), as long as
+  ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf.window_layers), as long as
   those replacements answer like transformers' layer on a scripted sequence in this process.
 
 A graph-safe cache also reorders beams in place: transformers' ``reorder_cache`` (beam search, between
@@ -30,7 +30,7 @@ import torch
 
 from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
 
-from graphrt.hf_cache.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
+from graphrt.hf.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
 
 GRAPH_SAFE = (StaticLayer, DummyLayer, CacheLongWindowLayer, SlidingRingLayer)
 SUPPORTED_NAMES = "StaticLayer, DummyLayer, StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"

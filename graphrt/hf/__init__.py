@@ -1,0 +1,12 @@
+"""Everything Hugging Face in one place: ``generate()`` replaying its forward calls (``generate``),
+several decode steps per launch (``multistep``), and the caches that replay (``window_layers``,
+``layer_kinds``, ``cross_attention``, ``cache_keyword``).
+
+``import graphrt.hf`` does not import transformers: the modules that need it (``window_layers``,
+``layer_kinds``) are imported inside the functions that use them.
+"""
+
+from graphrt.hf.generate import GenerateForward, StaticCachePool, graph_generate, graph_safe_cache
+from graphrt.hf.multistep import MultiStepGenerate
+
+__all__ = ["GenerateForward", "MultiStepGenerate", "StaticCachePool", "graph_generate", "graph_safe_cache"]
