@@ -235,9 +235,13 @@ class InputBufferManager:
         self.slots.clear()
 
     def _allocate(self, spec: BufferSpec) -> torch.Tensor:
-        if self.pool is not None:
-            return self.pool.allocate(spec)
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
+        """A slot's tensor, made outside inference mode: a graph captured under ``inference_mode()``
+        then stages and replays under ``no_grad()`` too (an inference tensor refuses in-place
+        writes outside inference mode), and the reset after a failed step never raises."""
+        with torch.inference_mode(False):
+            if self.pool is not None:
+                return self.pool.allocate(spec)
+            return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
 
     def _free(self, tensor: torch.Tensor) -> None:
         if self.pool is not None:

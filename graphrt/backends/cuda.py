@@ -62,7 +62,7 @@ def non_owning(value: Any) -> Any:
         return value
     storage = value.untyped_storage()
     view = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):  # an output usable in every mode
         return torch.empty(0, dtype=value.dtype, device=value.device).set_(
             view, value.storage_offset(), value.size(), value.stride())
 

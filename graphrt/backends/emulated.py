@@ -78,9 +78,10 @@ class OutputArena:
             buffer = self._buffers.get(device)
             if buffer is None or buffer.numel() < needed:
                 grown += needed - (0 if buffer is None else buffer.numel())
-                self._buffers[device] = torch.empty(needed, dtype=torch.uint8, device=device)
+                with torch.inference_mode(False):
+                    self._buffers[device] = torch.empty(needed, dtype=torch.uint8, device=device)
         placed = []
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):  # outputs usable in every mode, as eager's under no_grad
             for tensor, start in zip(tensors, spans):
                 if start is None:
                     placed.append(tensor)
