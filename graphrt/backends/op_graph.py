@@ -5,9 +5,9 @@ kept with its arguments and the model source line that issued it. The recorder i
 to the model: no torch-function mode is active (``has_torch_function`` stays False, so code
 with a fast path takes it as under a CUDA capture); host reads that never reach the
 dispatcher on CPU (``tolist``, ``numpy``) are caught by patching those two tensor methods. Tensors no recorded op
-produced (static inputs, parameters, KV caches) are *external*: the graph keeps the very
-tensor objects and reads their current contents on every replay, as a CUDA graph keeps
-their addresses. Python scalars and branches are frozen into the graph. Ops that need the
+produced (static inputs, parameters, KV caches) are *external*: the graph keeps an alias of
+their memory as captured and reads its current contents on every replay, as a CUDA graph
+keeps their addresses (a parameter whose ``.data`` is swapped later is not seen, on either). Python scalars and branches are frozen into the graph. Ops that need the
 host to read device memory (``.item()``, ``nonzero``, boolean-mask indexing, ...) raise
 ``HostSyncError`` naming the op and the model line: a CUDA capture fails on them too.
 """
@@ -202,10 +202,10 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
             if node is None:  # not produced by a recorded op: read live at every replay
                 name = f"external_{len(externals)}"
                 externals.append(value)
-                if isinstance(value, torch.nn.Parameter):
-                    root.register_parameter(name, value)
-                else:
-                    root.register_buffer(name, value, persistent=False)
+                # An alias of the captured memory, as a CUDA graph keeps the captured address: a
+                # tensor whose memory is swapped later (``param.data = other``) is not seen.
+                with torch.inference_mode(False):
+                    root.register_buffer(name, value.detach(), persistent=False)
                 node = nodes[id(value)] = graph.get_attr(name)
             return node
         if isinstance(value, (list, tuple)):
