@@ -34,6 +34,7 @@ from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.compiled import eager_stance
 from graphrt.debug import GenerationCounter
 from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
+from graphrt.layout.rebind_guard import RebindGuard
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphRegistry
 
@@ -197,7 +198,7 @@ class KeyCapture:
             if error is not None:
                 registry.mark_failed(entry, error, GraphStatus.VERIFY_FAILED, then)
                 return False
-        registry.mark_ready(entry, graph, journal.written, journal.reads_grad)
+        registry.mark_ready(entry, graph, journal.written, journal.reads_grad, journal.touched)
         return True
 
 
@@ -235,11 +236,16 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     """``entry.step`` made to return its output leaves, which the backend keeps as the graph's
     outputs (so tensors inside dataclasses are refreshed too); the structure goes on the entry
     to rebuild results. A leaf that is neither a tensor, a plain constant nor a passed-through
-    argument object fails the capture with a message naming it."""
+    argument object fails the capture with a message naming it. A step that rebinds the state of
+    its guard's roots (the model's modules, object arguments) fails it too (``RebindError``), each
+    binding put back."""
+    roots = entry.guard_spec.roots if entry.guard_spec is not None else ()
 
     def run() -> List[Any]:
         leaves: List[Any] = []
-        structure = flatten(entry.step(), leaves)
+        with RebindGuard(roots):
+            outputs = entry.step()
+        structure = flatten(outputs, leaves)
         for path, leaf in zip(leaf_paths(structure, "output"), leaves):
             if not isinstance(leaf, torch.Tensor) and not is_plain_constant(leaf) and id(leaf) not in entry.passthrough:
                 kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"

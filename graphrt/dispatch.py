@@ -10,7 +10,7 @@ backend's replay hook. The replay itself belongs to the key (``GraphEntry.replay
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from graphrt.batch import (
     CONTEXT_FIELDS, DECODE_SPECS, EXTEND_SPECS, TOKEN_FIELDS, ForwardBatch, ForwardMode, field_getter,
 )
 from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind
+from graphrt.guards import GuardFailure, StateWatch
 from graphrt.registry import Decision, GraphRegistry
 from graphrt.staging import InputBufferManager, InputSlot, StagingPlan
 
@@ -39,8 +40,12 @@ class Dispatcher:
     piecewise key of the padded token count, else eager with a reason."""
 
     def __init__(self, registry: GraphRegistry, context: Mapping[str, Any], graphs_enabled: bool = True,
-                 piecewise: bool = False) -> None:
+                 piecewise: bool = False, watch: Optional[StateWatch] = None,
+                 on_guard_failure: Callable[[GuardFailure], None] = lambda failure: None, debug: bool = False) -> None:
         self.registry = registry
+        self.watch = watch
+        self.on_guard_failure = on_guard_failure
+        self.debug = debug
         self._attn_backend, self._req_to_token_pool, self._token_to_kv_pool = (
             context.get(name) for name in CONTEXT_FIELDS
         )
@@ -67,7 +72,15 @@ class Dispatcher:
         num_tokens = batch.input_ids.shape[0]
         decision = self.registry.lookup(batch.forward_mode, num_tokens, batch.batch_size, KeyKind.FULL, steps)
         if self.piecewise and decision.reason in PIECEWISE_FALLBACK and steps == 1:
-            return self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
+            decision = self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
+        guard = decision.entry.guard if decision.reason is None else None
+        if guard is not None:
+            failure = guard.failure(self.watch.token(), decision.entry.stager.sources, batch)
+            if failure is not None:
+                self.on_guard_failure(failure)
+                return Decision(decision.entry, EagerReason(failure.reason))
+            if self.debug:
+                guard.check_storage()
         return decision
 
 
@@ -92,6 +105,9 @@ class DecodeStager:
 
     def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
         return self._plan.written(storages)
+
+    def sources(self, batch: ForwardBatch) -> tuple:
+        return self.fields(batch)
 
     def write_back(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch, num_tokens: int, num_reqs: int) -> None:
         key = entry.key
@@ -151,6 +167,8 @@ class TokenStager:
 
     def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
         return self._plan.written(storages)
+
+    sources = staticmethod(_token_fields)
 
     def write_back(self, entry: GraphEntry[ForwardBatch], batch: ForwardBatch, num_tokens: int, num_reqs: int) -> None:
         padded = entry.key.num_tokens

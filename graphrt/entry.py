@@ -10,13 +10,16 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Generic, List, NamedTuple, Optional, Protocol, Set, Tuple, TypeVar
+from typing import (
+    Any, Callable, Dict, FrozenSet, Generic, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple, TypeVar,
+)
 
 import torch
 
 from graphrt.backends import CapturedGraph
 from graphrt.batch import ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
+from graphrt.guards import GuardSpec, KeyGuard
 from graphrt.layout.tensor_tree import unflatten
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,11 @@ class EagerReason(str, enum.Enum):
     UNSLICEABLE_OUTPUT = "unsliceable_output"  # padded, and an output has no batch axis to cut the padding off
     AUTOGRAD = "autograd"  # wrap(): grad mode on and an input requires grad; eager so gradients flow
     AMBIGUOUS_BATCH_AXIS = "ambiguous_batch_axis"  # wrap(): padded, and an argument has the batch size in two dims
+    # Guards (graphrt.guards): the key was captured under another state than the call's.
+    AUTOCAST = "autocast"  # GraphRunner: autocast differs from capture (wrap(): graphs of its own)
+    TRAINING = "training"  # GraphRunner: a module's training flag differs from capture (wrap(): graphs of its own)
+    REBOUND_STATE = "rebound_state"  # a tensor the graph reads through an attribute was rebound since capture
+    ALIASED_INPUTS = "aliased_inputs"  # staged tensors share memory with each other or with state the step uses
 
 
 StaticInputs = TypeVar("StaticInputs")
@@ -107,6 +115,9 @@ class Stager(Protocol):
     def write_back(self, entry: "GraphEntry", call: Any, num_tokens: int, num_reqs: int) -> None:
         """After a replay that wrote staged inputs (``entry.written_inputs``): their live rows back
         into the caller's tensors, as the eager call would have left them."""
+
+    def sources(self, call: Any) -> Sequence[Optional[torch.Tensor]]:
+        """The caller's tensors ``stage`` copies from (the aliasing guard reads their memory)."""
 
 
 class CutOutputs:
@@ -175,6 +186,8 @@ class GraphEntry(Generic[StaticInputs]):
     output_structure: Any = field(default=None, repr=False)  # how graph.outputs (leaves) rebuild the result
     written_inputs: Tuple[int, ...] = ()  # the staged inputs the step writes in place (the stager's positions)
     reads_grad: bool = True  # whether the captured step read a tensor that requires grad (True until captured)
+    guard_spec: Optional[GuardSpec] = None  # the front's state watch and binding roots (None: no guard)
+    guard: Optional[KeyGuard] = None  # the state the graph was captured under, checked per call (set when READY)
 
     def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
         """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the
@@ -200,8 +213,11 @@ def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int
     try:
         return entry.replay(call, num_tokens, num_reqs)
     except Exception as replay_error:
-        entry.stager.reset()
         why = f"replay raised {type(replay_error).__name__}: {replay_error}"
+        try:
+            entry.stager.reset()
+        except Exception as reset_error:  # never in the way of the eager step (slots are made to be writable)
+            disable(entry, f"{why}; its static slots could not be reset: {reset_error}")
         if run_eager is None:
             disable(entry, why)
             raise
@@ -212,6 +228,6 @@ def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int
 
 def disable(entry: GraphEntry, reason: str) -> None:
     """Take ``entry`` out of use (its steps run eagerly) and drop its graph."""
-    entry.status, entry.reason, entry.graph = GraphStatus.DISABLED, reason, None
+    entry.status, entry.reason, entry.graph, entry.guard = GraphStatus.DISABLED, reason, None, None
     entry.cuts.clear()
     logger.warning("graph %s disabled: %s", entry.key, reason)

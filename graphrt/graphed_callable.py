@@ -42,9 +42,9 @@ from graphrt.backends.compiled import is_compiled
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
+from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
-from graphrt.layout.rebind_guard import RebindGuard
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -66,6 +66,7 @@ class LayoutGraphs:
     capture: Optional[KeyCapture]  # through the backend of the layout's device (None: graphs are off)
     warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
     autograd: Optional[bool] = None
+    off_reason: EagerReason = EagerReason.GRAPHS_DISABLED  # why calls run eagerly while ``capture`` is None
 
 
 class SignatureStager:
@@ -92,6 +93,10 @@ class SignatureStager:
 
     def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
+
+    @staticmethod
+    def sources(leaves: List[Any]) -> List[torch.Tensor]:
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 class GraphedCallable:
@@ -135,6 +140,8 @@ class GraphedCallable:
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
             max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
+        self._watch = StateWatch(module_roots(fn))
+        self._module_roots = [(type(root).__name__, root) for root in self._watch.roots]
         self._lock = threading.Lock()
 
     # ---- layouts ----------------------------------------------------------------------------------
@@ -185,13 +192,11 @@ class GraphedCallable:
 
         def step() -> Any:
             static = entry.static_inputs
-            if not objects:
-                return self.fn(*static.args, **static.kwargs)
-            with RebindGuard(objects):
-                return self.fn(*static.args, **static.kwargs)
+            return self.fn(*static.args, **static.kwargs)
 
         entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects), stager=stager,
-                           count=self._stats.record_graph)
+                           count=self._stats.record_graph,
+                           guard_spec=GuardSpec(self._watch, [*self._module_roots, *objects]))
         return entry
 
     @staticmethod
@@ -210,7 +215,7 @@ class GraphedCallable:
         every write to the model's tensors is undone, so the model's state is as before.
         """
         with self._lock:
-            layout, leaves, rows = self.layouts.find(args, kwargs)
+            layout, leaves, rows = self.layouts.find(args, kwargs, self._watch.token())
             if layout is None:
                 raise ValueError("args: no new layout is opened for calls like this example: "
                                  + "; ".join(self.layouts.churn.values()))
@@ -238,7 +243,8 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
         with self._lock:
-            layout, leaves, batch_size = self.layouts.find(args, kwargs)
+            state = self._watch.token()
+            layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
             if batch_size:
                 self._stats.record_size(MODE, batch_size)
             autograd = torch.is_grad_enabled()
@@ -248,7 +254,7 @@ class GraphedCallable:
                 return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
             graphs = layout.graphs
             if graphs.capture is None:
-                return self._run_eager(EagerReason.GRAPHS_DISABLED, layout, batch_size, args, kwargs)
+                return self._run_eager(graphs.off_reason, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
                 return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
             decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
@@ -257,21 +263,32 @@ class GraphedCallable:
             if layout.signature.tentative and padded is not None and batch_size != padded:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
             elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
                 # Another size padded to a key whose capture failed: a key of its own, warmed up first.
                 entry = self._exact_size_entry(layout, batch_size)
-                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(reason, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
                 return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            if autograd and not self._grad_warned:
-                self._warn_grad_mode()
-            return replay_or_eager(decision.entry, leaves, batch_size, batch_size,
-                                   self._run_eager, layout, batch_size, args, kwargs)
+            return self._replay(decision.entry, state, layout, batch_size, leaves, args, kwargs)
 
-    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
+    def _replay(self, entry: GraphEntry, state: Any, layout: Layout[LayoutGraphs], batch_size: int,
+                leaves: List[Any], args: tuple, kwargs: dict) -> Any:
+        """Replay ``entry`` for this call if its guard holds (graphrt.guards), else run eagerly."""
+        guard = entry.guard
+        if guard is not None:
+            failure = guard.failure(state, entry.stager.sources, leaves)
+            if failure is not None:
+                return self._guard_failed(failure, layout, batch_size, args, kwargs)
+            if self.debug:
+                guard.check_storage()
+        if not self._grad_warned and torch.is_grad_enabled():
+            self._warn_grad_mode()
+        return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
+
+    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, state: Any, batch_size: int,
                            leaves: List[Any], args: tuple, kwargs: dict) -> Any:
         """A size's first calls are its warm-up, run eagerly as the real step; the next records
         on its staged inputs (the recording's writes undone) and replays once for its output."""
@@ -297,9 +314,37 @@ class GraphedCallable:
         decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
-        if torch.is_grad_enabled() and not self._grad_warned:
-            self._warn_grad_mode()
-        return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
+        return self._replay(entry, state, layout, batch_size, leaves, args, kwargs)
+
+    def _guard_failed(self, failure: GuardFailure, layout: Layout[LayoutGraphs], batch_size: int, args: tuple,
+                      kwargs: dict) -> Any:
+        """A key's guard failed: this call runs eagerly with the failure's reason. A rebound tensor
+        gives the layout fresh graphs, recorded on later calls on what is bound now, unless its
+        last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few calls,
+        as beam search's cache reorder does): then its calls run eagerly from now on."""
+        reason = EagerReason(failure.reason)
+        self._stats.record_guard_failure(f"{failure.reason}: {failure.detail}")
+        if reason is EagerReason.REBOUND_STATE:
+            graphs = layout.graphs
+            replays = sum(entry.hits for entry in graphs.registry.entries.values())
+            if replays >= CHURN_LIMIT:
+                logger.info("wrap(): %s; layout %d records its graphs again", failure.detail, layout.number)
+                self.layouts.renew(layout)
+            else:
+                logger.warning("wrap(): %s after %d replays: the binding changes every few calls (a Hugging Face "
+                               "beam search reorders its cache by rebinding; graphrt.hf.graph_generate reorders in "
+                               "place), so calls of layout %d run eagerly (rebound_state)", failure.detail, replays,
+                               layout.number)
+                graphs.capture, graphs.off_reason = None, reason
+                graphs.registry.clear()
+        return self._run_eager(reason, layout, batch_size, args, kwargs)
+
+    def recapture(self) -> None:
+        """Drop every layout's graphs: each records them again on its next calls, on the tensors
+        bound now (after weights were swapped by rebinding: ``param.data = other``)."""
+        with self._lock:
+            for layout in list(self.layouts.layouts.values()):
+                self.layouts.renew(layout)
 
     @staticmethod
     def _learn_autograd(layout: Layout[LayoutGraphs]) -> None:

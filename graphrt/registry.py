@@ -18,6 +18,7 @@ from graphrt.debug import GenerationCounter
 from graphrt.entry import (
     CopiedOutputs, CutOutputs, EagerReason, GraphEntry, GraphKey, GraphStatus, GuardedOutputs, KeyKind, disable,
 )
+from graphrt.guards import KeyGuard, memory_of
 from graphrt.layout.batch_axes import CannotCut, OutputAxes
 from graphrt.layout.tensor_tree import flatten, unflatten
 from graphrt.sizes import SizeGrid, build_pad_table
@@ -102,6 +103,13 @@ class GraphRegistry:
         self.grids.clear()
         self._by_rows.clear()
 
+    def uncapture(self) -> None:
+        """Every key back to pending capture, its graph, cut outputs and guard dropped (their memory
+        returns when the graphs are freed); keys and tables stay."""
+        for entry in self.entries.values():
+            entry.status, entry.reason, entry.graph, entry.guard = GraphStatus.PENDING, None, None, None
+            entry.cuts.clear()
+
     def pending(self) -> List[GraphEntry]:
         """Keys waiting for capture, largest first (smaller graphs reuse the largest one's pool blocks)."""
         return sorted((entry for entry in self.entries.values() if entry.status is GraphStatus.PENDING),
@@ -170,11 +178,12 @@ class GraphRegistry:
     # ---- capture outcomes ---------------------------------------------------------------------
 
     def mark_ready(self, entry: GraphEntry, graph: CapturedGraph, written: Set[Tuple[torch.device, int]] = frozenset(),
-                   reads_grad: bool = True) -> None:
+                   reads_grad: bool = True, touched: Set[int] = frozenset()) -> None:
         """``entry`` replays ``graph`` from now on; its output shapes join the batch-axis evidence.
         ``written``: the storages the captured step wrote; the staged inputs among them are written
         back to the caller after every replay. ``reads_grad``: whether the step read a tensor that
-        requires grad."""
+        requires grad. ``touched``: the memory (addresses) the step read or wrote that existed
+        before it, from which the key's guard finds its bindings and aliasing hazards."""
         key = entry.key
         entry.graph, entry.status, entry.pool_bytes, entry.reason = graph, GraphStatus.READY, graph.pool_bytes, None
         entry.reads_grad = reads_grad
@@ -182,6 +191,12 @@ class GraphRegistry:
         if entry.written_inputs:
             logger.info("%s writes %d of its inputs in place: each replay copies them back to the caller",
                         key, len(entry.written_inputs))
+        if entry.guard_spec is not None:  # the graph's own memory: its static slots and its outputs
+            own: List[Any] = list(graph.outputs)
+            flatten(entry.static_inputs, own)
+            entry.guard = KeyGuard.capture(entry.guard_spec, set(touched), {memory for _, memory in written},
+                                           bool(entry.written_inputs),
+                                           {memory_of(leaf) for leaf in own if isinstance(leaf, torch.Tensor)})
         entry.cuts.clear()
         self.axes.observe(_axes_group(key), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
         self._set_cut(entry, key.num_tokens, key.num_reqs, list(graph.outputs))

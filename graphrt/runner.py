@@ -30,6 +30,7 @@ from graphrt.config import RunnerConfig
 from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batch_for, with_context
 from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.forward_context import use_batch
+from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
 from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
@@ -92,8 +93,13 @@ class GraphRunner:
         self._add_multistep_keys()
         self._ubatch = self._make_ubatch()
         self.piecewise = self._add_piecewise_keys()
+        self._watch = StateWatch(module_roots(model))
+        self._guard_spec = GuardSpec(self._watch, [(type(root).__name__, root) for root in self._watch.roots])
+        self._guard_entries()
+        self._guard_warned: Set[str] = set()
         self.dispatcher = Dispatcher(self.registry, self.context, graphs_enabled=self.backend_name != "eager",
-                                     piecewise=self.piecewise)
+                                     piecewise=self.piecewise, watch=self._watch,
+                                     on_guard_failure=self._guard_failed, debug=self.debug)
         self._decoder = MultiStepDecoder(self.dispatcher, self.registry, self._stats, config.decode_steps,
                                          self.sampler, self._multi_step_off, self._route)
         if self.lockstep is not None:
@@ -176,6 +182,21 @@ class GraphRunner:
         stager = self._stagers[key.mode.is_extend()]
         return GraphEntry(key, static, step, stager=stager, count=self._stats.record_graph)
 
+    def _guard_entries(self) -> None:
+        """Every key checks, per call, the state it was captured under (graphrt.guards)."""
+        for entry in self.registry.entries.values():
+            entry.guard_spec = self._guard_spec
+
+    def _guard_failed(self, failure: GuardFailure) -> None:
+        """Count a call a guard sent eagerly, and say once per difference what to do."""
+        detail = f"{failure.reason}: {failure.detail}"
+        self._stats.record_guard_failure(detail)
+        if detail not in self._guard_warned:
+            self._guard_warned.add(detail)
+            logger.warning("steps run eagerly (%s): %s; graphs replay again once the state is as at capture, "
+                           "or call runner.recapture() to capture them under the new one", failure.reason,
+                           failure.detail)
+
     def _add_multistep_keys(self) -> None:
         """Multi-step keys (``decode_steps``) at every decode capture size, or why none can serve."""
         self._multi_step_off = add_multistep_keys(
@@ -218,8 +239,10 @@ class GraphRunner:
         attn_backend = self.context.get("attn_backend")
         init_graph_state = getattr(attn_backend, "init_graph_state", None)
         if init_graph_state is not None and not self._graph_state_ready:
-            # Once only: graphs captured earlier (a resumed capture, retune) read these buffers.
-            init_graph_state(self.config.max_batch_size, self.buffers.max_seq_len)
+            # Once only: graphs captured earlier (a resumed capture, retune) read these buffers, which
+            # are made outside inference mode so replays can refresh them under no_grad too.
+            with torch.inference_mode(False):
+                init_graph_state(self.config.max_batch_size, self.buffers.max_seq_len)
             self._graph_state_ready = True
         capture_hook = getattr(attn_backend, "init_forward_metadata_capture", None)
 
@@ -257,8 +280,18 @@ class GraphRunner:
                 self.registry.remove_mode(mode)
                 self.registry.add_grid(mode, SizeGrid.for_decode(self.capture_sizes), self._make_entry)
             self._add_multistep_keys()
+            self._guard_entries()
             if self.lockstep is not None:
                 self.lockstep.bind_keys(list(self.registry.entries))
+        return self.capture()
+
+    def recapture(self) -> CaptureReport:
+        """Capture every key again, under the state of now: after weights were swapped by
+        rebinding (``param.data = other``, ``m.weight = nn.Parameter(...)``), or to serve steps
+        under another autocast or ``training`` state than the first capture's. The old graphs are
+        dropped first (their memory is reused); static inputs stay."""
+        with self._lock:
+            self.registry.uncapture()
         return self.capture()
 
     def save_histogram(self, path: Union[str, os.PathLike]) -> None:

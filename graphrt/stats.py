@@ -26,6 +26,7 @@ class RuntimeStats:
     multi_step_fallbacks: Counter = field(default_factory=Counter)  # decode() calls run step by step, by reason
     real_tokens: int = 0
     padded_tokens: int = 0
+    guard_failures: Counter = field(default_factory=Counter)  # what differed from a key's capture, by words
     histogram: Dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
 
     def record_graph(self, real_tokens: int, padded_tokens: int) -> None:
@@ -58,6 +59,10 @@ class RuntimeStats:
         self.eager_reasons[reason.value] += 1
         self.real_tokens += real_tokens
 
+    def record_guard_failure(self, detail: str) -> None:
+        """Count one call a key's guard kept from replaying (``detail``: what differed from its capture)."""
+        self.guard_failures[detail] += 1
+
     def record_size(self, mode: int, batch_size: int) -> None:
         """Add one observation of a real batch size to the per-mode traffic histogram."""
         self.histogram[mode][batch_size] += 1
@@ -80,6 +85,7 @@ class RuntimeStats:
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
             "padding_waste": self.padded_tokens / total if total else 0.0,
+            "guard_failures": dict(self.guard_failures),
             "histogram": {
                 ForwardMode(mode).name: dict(sorted(counts.items())) for mode, counts in self.histogram.items()
             },

@@ -67,17 +67,36 @@ def test_an_index_past_a_table_raises_eagers_error_and_the_key_stays_in_use(bad)
 
 
 def test_a_replay_that_fails_where_eager_succeeds_disables_the_key():
-    """The model rebinds its KV cache to a larger tensor after capture: the graph still writes the
-    captured 256-slot cache, so slot 300 fails the replay while eager (on the new cache) succeeds.
-    That key is disabled and the step returns eager's result (this holds today and must keep holding)."""
+    """A replay that raises (a fault injected into the key's graph) where eager succeeds: that key
+    is disabled and the step returns eager's result (this holds today and must keep holding)."""
+    model = ToyPagedModel()
+    control = copy.deepcopy(model)
+    runner = toy_runner(model)
+    (entry,) = [entry for key, entry in runner.registry.entries.items() if str(key) == "decode/bs=4"]
+
+    def broken_replay() -> None:
+        raise RuntimeError("injected replay fault")
+
+    entry.graph.replay = broken_replay
+    batch = decode_batch(3, seed=1)
+    assert_identical(runner(batch), control(batch.input_ids, batch.positions, batch))
+    stats = runner.stats()
+    assert stats["eager_reasons"] == {"replay_failed": 1} and "decode/bs=4" in stats["failed_keys"], stats
+
+
+def test_a_cache_rebound_after_capture_is_never_replayed():
+    """The model rebinds its KV cache to a larger tensor after capture: a replay would write the
+    captured 256-slot cache (slot 300 failed the replay before the guards); the key's guard sees
+    the rebinding and the step runs eagerly on the new cache, the key kept."""
     model = ToyPagedModel()
     runner = toy_runner(model)
     model.kv = torch.zeros(2 * KV_SLOTS, model.kv.shape[1])
     batch = decode_batch(3, seed=1, out_cache_loc=torch.tensor([5, 300, 7]))
     control = copy.deepcopy(model)
     assert_identical(runner(batch), control(batch.input_ids, batch.positions, batch))
+    assert torch.equal(model.kv, control.kv)
     stats = runner.stats()
-    assert stats["eager_reasons"] == {"replay_failed": 1} and "decode/bs=4" in stats["failed_keys"], stats
+    assert stats["eager_reasons"] == {"rebound_state": 1} and not stats["failed_keys"], stats
 
 
 def test_no_value_of_a_failed_step_reaches_a_later_capture_or_padded_step():

@@ -196,7 +196,8 @@ def view_key(tensor: torch.Tensor) -> View:
 class StateJournal(TorchDispatchMode):
     """Use as ``with journal: ...`` then ``journal.restore()``; ``saved_bytes`` is its extra memory.
     ``regions`` lists what was written, oldest first (capture's verify step reads them);
-    ``written`` the storages written, kept after ``restore()``; ``generators`` the saved generator
+    ``written`` the storages written, kept after ``restore()``; ``touched`` the addresses of the
+    memory ops read or wrote that existed before the block (kept too); ``generators`` the saved generator
     states; ``reads_grad`` whether an op read a tensor that requires grad (in grad mode, eager
     outputs could then carry autograd history)."""
 
@@ -211,6 +212,7 @@ class StateJournal(TorchDispatchMode):
         self.written: Set[Tuple[torch.device, int]] = set()
         self.generators = GeneratorStates()
         self.reads_grad = False
+        self.touched: Set[int] = set()  # addresses of memory that existed before the block and that an op read or wrote
         self._fresh: Set[Tuple[torch.device, int]] = set()  # storages allocated inside the block
 
     def __enter__(self) -> "StateJournal":
@@ -225,9 +227,12 @@ class StateJournal(TorchDispatchMode):
                 self._save(func, position, target, args)
         for generator in passed_generators(func, args, kwargs):
             self.generators.save(generator)
-        if not self.reads_grad:
-            self.reads_grad = any(isinstance(leaf, torch.Tensor) and leaf.requires_grad
-                                  for leaf in tree_leaves((args, kwargs)))
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                key = storage_key(leaf)
+                if key not in self._fresh:
+                    self.touched.add(key[1])
+                self.reads_grad = self.reads_grad or leaf.requires_grad
         output = func(*args, **kwargs)
         self._fresh.update(allocated_storages(func, args, kwargs, output))
         return output

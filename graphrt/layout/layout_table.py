@@ -1,7 +1,9 @@
 """LayoutTable: the call layouts one wrapped function has seen, each with graphs of its own.
 
-A call layout is a CallSignature: argument structure, non-batch dims, dtypes, constants. A
-call is matched against the layout used last (steady decode pays one match, as with a single
+A call layout is a CallSignature (argument structure, non-batch dims, dtypes, constants) under
+one global state (a ``graphrt.guards.StateWatch`` token: autocast, ``training`` flags), so a call
+under autocast, or after ``model.eval()``, gets graphs of its own instead of replaying ones
+captured under another state. A call is matched against the layout used last (steady decode pays one match, as with a single
 layout); on a miss, one dict lookup on the call's positional count and keyword names finds the
 few layouts that could fit, most recent first. A call that fits none refines one of them (a
 batch axis decided, see CallSignature.refine) or opens a new layout.
@@ -38,6 +40,7 @@ class Layout(Generic[Graphs]):
     graphs: Graphs
     family: Hashable
     bucket: Hashable
+    state: Hashable = None  # the global state its calls are made under (graphrt.guards.StateWatch)
 
 
 # A call's layout (None: its kind of layout keeps changing, it runs eagerly), leaves and batch size.
@@ -85,17 +88,18 @@ class LayoutTable(Generic[Graphs]):
     def current(self) -> Optional[Layout[Graphs]]:
         return self._current
 
-    def find(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Found:
-        """The layout this call fits (refined or opened if need be), its leaves and batch size."""
+    def find(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], state: Hashable = None) -> Found:
+        """The layout this call, made under global ``state``, fits (refined or opened if need be),
+        its leaves and batch size."""
         current = self._current
-        if current is not None:
+        if current is not None and (current.state is state or current.state == state):
             leaves, batch_size, matched = _match(current.signature, args, kwargs)
             if matched:
                 return current, leaves, batch_size
-        return self._find_other(args, kwargs)
+        return self._find_other(args, kwargs, state)
 
-    def _find_other(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Found:
-        bucket_key = (len(args), frozenset(kwargs))
+    def _find_other(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], state: Hashable) -> Found:
+        bucket_key = (len(args), frozenset(kwargs), state)
         bucket = self._buckets.get(bucket_key, ())
         for layout in reversed(bucket):  # most recent first
             leaves, batch_size, matched = _match(layout.signature, args, kwargs)
@@ -109,11 +113,11 @@ class LayoutTable(Generic[Graphs]):
         signature = CallSignature.first_call(args, kwargs, self.max_batch_size)
         leaves, structure = signature.flatten(args, kwargs)
         batch_size = signature.match(leaves, structure)[0]
-        family = signature.family()
+        family = (signature.family(), state)
         if self._unrecorded.get(family, 0) >= self.churn_limit:
             self._explain_churn(family, leaves, structure)
             return None, leaves, batch_size
-        return self._open(signature, family, bucket_key), leaves, batch_size
+        return self._open(signature, family, bucket_key, state), leaves, batch_size
 
     def _use(self, layout: Layout[Graphs]) -> Layout[Graphs]:
         self.layouts.move_to_end(layout.number)
@@ -127,14 +131,19 @@ class LayoutTable(Generic[Graphs]):
         """Replace a layout's signature by a refined one: its graphs are dropped and captured again."""
         self.refined += 1
         logger.info("wrap(): argument layout is now %s; graphs are captured again", signature.layout())
-        self._drop_graphs(layout.graphs)
-        layout.signature, layout.graphs = signature, self._make_graphs(signature)
+        layout.signature = signature
+        self.renew(layout)
         return self._use(layout)
 
-    def _open(self, signature: CallSignature, family: Hashable, bucket_key: Hashable) -> Layout[Graphs]:
+    def renew(self, layout: Layout[Graphs]) -> None:
+        """Drop a layout's graphs for fresh ones, warmed up and recorded again on later calls."""
+        self._drop_graphs(layout.graphs)
+        layout.graphs = self._make_graphs(layout.signature)
+
+    def _open(self, signature: CallSignature, family: Hashable, bucket_key: Hashable, state: Hashable) -> Layout[Graphs]:
         while len(self.layouts) >= self.max_layouts:
             self._drop(next(iter(self.layouts.values())))
-        layout = Layout(self.opened, signature, self._make_graphs(signature), family, bucket_key)
+        layout = Layout(self.opened, signature, self._make_graphs(signature), family, bucket_key, state)
         if self.opened:
             logger.info("wrap(): new argument layout %d: %s", layout.number, signature.layout())
         self.opened += 1

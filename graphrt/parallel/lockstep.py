@@ -44,6 +44,8 @@ REQUEST_PADDED = tuple(spec.name for spec in REQUEST_FIELDS)
 SIZE_INDEPENDENT = frozenset({
     EagerReason.GRAPHS_DISABLED, EagerReason.UNSUPPORTED_FIELD,
     EagerReason.CONTEXT_MISMATCH, EagerReason.MODE_NOT_CAPTURED,
+    # Guards: this rank's call differs from the state its keys were captured under, whatever the size.
+    EagerReason.AUTOCAST, EagerReason.TRAINING, EagerReason.REBOUND_STATE, EagerReason.ALIASED_INPUTS,
 })
 
 

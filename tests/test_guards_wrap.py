@@ -1,0 +1,252 @@
+"""Guards through wrap(): a graph replays only under the state it was captured for.
+
+Each test is a reproduction from issue 32, written against the peers' semantics: a call under
+another autocast or training state gets graphs of its own, aliased arguments run eagerly, a
+rebound tensor is never read through an old graph, a graph recorded under inference mode serves
+no_grad calls, and a step that rebinds its own module state is refused with the model left as
+eager leaves it. Every result is compared with eager on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from graphrt import wrap
+from graphrt.guards import StaleStateError
+
+
+def calls(fast, *args, times=3, **kwargs):
+    """``times`` calls (warm-up, recording, replay by default); the last result."""
+    result = None
+    for _ in range(times):
+        result = fast(*args, **kwargs)
+    return result
+
+
+def test_autocast_gets_graphs_of_its_own():
+    """PyTorch test_graph_make_graphed_callables (autocast cases) and dynamo's GLOBAL_STATE guard:
+    a graph recorded under autocast must not serve a call outside it, nor the reverse."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 8)
+    fast = wrap(linear, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16):
+            inside = calls(fast, x)
+            eager_inside = linear(x)
+        outside = calls(fast, x)
+        eager_outside = linear(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            again = fast(x)
+    assert inside.dtype == eager_inside.dtype == torch.bfloat16
+    assert outside.dtype == eager_outside.dtype == torch.float32
+    assert torch.equal(inside, eager_inside) and torch.equal(outside, eager_outside)
+    assert torch.equal(again, eager_inside)
+    stats = fast.stats()
+    assert stats["graph_runs"] == 5  # two replays per state (recording call, then a replay), then bfloat16 again
+    assert len(stats["layouts"]) == 2 and stats["eager_reasons"] == {"warmup": 2}
+
+
+def test_a_graph_recorded_under_inference_mode_serves_no_grad_calls_and_back():
+    """pytorch#135892: static slots made under inference_mode() refused the staging copy under
+    no_grad(), and the fallback's reset raised the same error, so every later call raised."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    fast = wrap(mlp, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        calls(fast, x)
+    with torch.no_grad():
+        out = fast(x)
+        expected = mlp(x)
+        out.add_(1)  # an output a no_grad caller can write, as eager's
+    assert torch.equal(out, expected + 1)
+    with torch.inference_mode():
+        assert torch.equal(fast(x), mlp(x))
+    assert fast.stats()["graph_runs"] == 4 and fast.stats()["eager_reasons"] == {"warmup": 1}
+
+
+def test_eval_after_train_gets_its_own_graphs_and_train_replays_again():
+    """dynamo test_simple_module_recompile: a module recorded in train mode (dropout active) must
+    not replay dropout after eval(); back in train mode the train graph draws as eager does."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        model.eval()
+        evaluated = [fast(x) for _ in range(3)]
+        assert all(torch.equal(out, model(x)) for out in evaluated)
+        model.train()
+        torch.manual_seed(7)
+        trained = fast(x)
+        torch.manual_seed(7)
+        assert torch.equal(trained, model(x))
+    assert fast.stats()["graph_runs"] == 5 and len(fast.stats()["layouts"]) == 2
+
+
+def test_a_submodule_switched_to_eval_is_seen():
+    """The check per call reads the root's flag; a submodule's train()/eval() is counted too."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    fast = wrap(lambda x: model(x), max_batch_size=4, capture_sizes=[4])  # the module is a global of the lambda
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        model[1].eval()
+        assert torch.equal(fast(x), model(x)) and torch.equal(fast(x), model[0](x))
+
+
+def test_the_same_tensor_twice_runs_eagerly():
+    """tinygrad test_jit_duplicate_fail: one tensor passed as two arguments, one written, the other
+    read. Separate static slots would give 3x where eager gives 4x."""
+
+    def step(a, b):
+        a.mul_(2)
+        return a + b
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x, reference = torch.ones(4, 3), torch.ones(4, 3)
+    for _ in range(4):
+        out = fast(x, x)
+        assert torch.equal(out, step(reference, reference)) and torch.equal(x, reference)
+    assert fast.stats()["eager_reasons"]["aliased_inputs"] == 3  # every call after the warm-up
+    y, z = torch.ones(4, 3), torch.ones(4, 3)
+    assert torch.equal(calls(fast, y, z), torch.full((4, 3), 9.0))  # distinct tensors replay: 8 + 1
+    assert fast.stats()["graph_runs"] >= 1
+
+
+def test_overlapping_views_of_one_base_run_eagerly():
+    """Dynamo de-duplicates aliased inputs: two overlapping views of one tensor share memory."""
+
+    def step(a, b):
+        a.add_(1)
+        return b * 2
+
+    base, reference = torch.zeros(4, 6), torch.zeros(4, 6)
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    for _ in range(3):
+        out = fast(base[:, :3], base[:, 2:5])
+        assert torch.equal(out, step(reference[:, :3], reference[:, 2:5])) and torch.equal(base, reference)
+    assert fast.stats()["eager_reasons"].get("aliased_inputs") == 2
+
+
+def test_an_argument_that_is_state_the_step_writes_runs_eagerly():
+    """A module buffer passed in as an argument while the step writes the buffer: eager sees the
+    write through the argument, a static slot would not."""
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(4, 2))
+
+        def forward(self, x):
+            self.total.add_(1)
+            return x * 2
+
+    model, reference = Counter(), Counter()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    for _ in range(3):
+        assert torch.equal(fast(model.total), reference(reference.total))
+    assert fast.stats()["eager_reasons"].get("aliased_inputs") == 2
+    assert torch.equal(model.total, reference.total)
+
+
+class Memo:
+    """An object argument whose tensor the step reads (a cache)."""
+
+    def __init__(self, table):
+        self.table = table
+
+
+def test_a_tensor_rebound_on_an_object_argument_is_read_anew():
+    """A recorded graph keeps the tensor bound at capture; a rebound one must not be replayed."""
+    memo = Memo(torch.ones(4, 2))
+    fast = wrap(lambda x, memo: x + memo.table, max_batch_size=4, capture_sizes=[4])
+    x = torch.zeros(4, 2)
+    for _ in range(6):
+        fast(x, memo)  # warm-up, recording, 4 more replays
+    memo.table = torch.full((4, 2), 5.0)
+    for _ in range(3):
+        assert torch.equal(fast(x, memo), x + memo.table)
+    stats = fast.stats()
+    assert stats["eager_reasons"]["rebound_state"] == 1
+    assert "rebound_state: args[1].table is bound to another object than at capture" in stats["guard_failures"]
+    assert stats["graph_runs"] == 5 + 1  # the new binding's recording call replays
+
+
+def test_a_binding_that_changes_every_call_stops_recording():
+    """Beam search's cache reorder rebinds every step: after a graph that replayed too few times
+    before its binding changed, the layout runs eagerly instead of recording on every call."""
+    memo = Memo(torch.ones(4, 2))
+    fast = wrap(lambda x, memo: x * memo.table, max_batch_size=4, capture_sizes=[4])
+    x = torch.full((4, 2), 2.0)
+    for step in range(8):
+        memo.table = torch.full((4, 2), float(step))
+        assert torch.equal(fast(x, memo), x * memo.table)
+    reasons = fast.stats()["eager_reasons"]
+    assert reasons["rebound_state"] >= 5 and fast.stats()["graph_runs"] <= 1
+
+
+def test_a_swapped_parameter_storage_reads_as_on_cuda_and_debug_names_it():
+    """cudagraph trees test_unstable_ptr: ``.data`` swapped after capture. A CUDA graph replays the
+    captured address, and so does the emulated backend; debug mode raises naming the parameter;
+    recapture() records on the new weights; an in-place update keeps replaying."""
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    old_weight = linear.weight.detach().clone()
+    fast = wrap(linear, max_batch_size=2, capture_sizes=[2])
+    checked = wrap(linear, max_batch_size=2, capture_sizes=[2], debug=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        calls(fast, x)
+        calls(checked, x)
+        linear.weight.data = torch.randn(4, 4)
+        stale = fast(x)
+        assert torch.equal(stale, torch.nn.functional.linear(x, old_weight, linear.bias))
+        with pytest.raises(StaleStateError, match="weight"):
+            checked(x)
+        fast.recapture()
+        assert all(torch.equal(out, linear(x)) for out in (fast(x), fast(x), fast(x)))
+        linear.weight.copy_(torch.randn(4, 4))
+        assert torch.equal(fast(x), linear(x))
+
+
+def test_a_replaced_parameter_is_a_rebinding():
+    """``m.weight = nn.Parameter(...)`` goes through torch's registration hooks: the next call sees it."""
+    linear = nn.Linear(4, 4)
+    fast = wrap(linear, max_batch_size=2, capture_sizes=[2])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(6):
+            fast(x)
+        linear.weight = nn.Parameter(torch.randn(4, 4))
+        assert torch.equal(fast(x), linear(x))
+    assert fast.stats()["eager_reasons"]["rebound_state"] == 1
+
+
+class Recurrent(nn.Module):
+    """Rebinds its own state in the step, as RecurrentGemma's recurrent and conv states do."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = torch.ones(4, 2)
+
+    def forward(self, x):
+        self.state = self.state * 0.5 + x
+        return self.state.sum(dim=1)
+
+
+def test_a_module_rebinding_its_own_state_is_refused_and_left_as_eager_leaves_it():
+    """Capture runs the step several times; a rebinding it cannot undo would advance the state each
+    time (7.625 on the second call where eager gives 5.0)."""
+    model, reference = Recurrent(), Recurrent()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.ones(4, 2)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(fast(x), reference(x))
+            assert torch.equal(model.state, reference.state)
+    failed = fast.stats()["failed_keys"]
+    assert any("RebindError" in reason and "Recurrent.state" in reason for reason in failed.values())
