@@ -68,6 +68,7 @@ def decode_floor(runners: Mapping[str, GraphRunner], batch: ForwardBatch, clock:
     debug runner against the plain one, and validate() alone with and without value checks."""
     bare = without_context(batch)
     plain, metadata_only, debug = runners["runner"], runners["runner_metadata_only"], runners["debug"]
+    entry = graph_entry(plain, bare)
     probes: List[Probe] = [
         ("runner", lambda: plain(bare)),
         ("runner_replay", graph_entry(plain, bare).graph.replay),
@@ -76,6 +77,7 @@ def decode_floor(runners: Mapping[str, GraphRunner], batch: ForwardBatch, clock:
         ("debug_runner", lambda: debug(bare)),
         ("validate", lambda: bare.validate(plain.device, plain.debug, plain.config.check_values)),
         ("validate_metadata_only", lambda: bare.validate(plain.device, plain.debug, False)),
+        ("guards", guard_check(entry, bare)),
     ]
     pairs = {
         "runner": ("runner", "runner_replay", 1),
@@ -83,6 +85,7 @@ def decode_floor(runners: Mapping[str, GraphRunner], batch: ForwardBatch, clock:
         "debug": ("debug_runner", "runner", 1),  # what debug mode (the stale-output guard) adds
         "validate": ("validate", None, 1),
         "validate_metadata_only": ("validate_metadata_only", None, 1),
+        "guards": ("guards", None, 1),
     }
     return time_costs(clock, probes, pairs, iters, warmup)
 
@@ -98,6 +101,18 @@ def piecewise_floor(runners: Mapping[str, GraphRunner], batch: ForwardBatch, clo
         probes += [(name, lambda runner=runner: runner(bare)),
                    (f"{name}_replay", raw_replay(graph_entry(runner, bare), bare))]
     return time_costs(clock, probes, {name: (name, f"{name}_replay", 1) for name in LABELS}, iters, warmup)
+
+
+def guard_check(entry: Any, call: Any) -> Callable[[], Any]:
+    """What a key's guards cost per call (part of the runner's and wrap()'s figures): the state
+    token, then the key's check of state, bindings and aliasing (graphrt.guards)."""
+    guard, sources = entry.guard, entry.stager.sources
+    watch = guard.watch
+
+    def check() -> Any:
+        return guard.failure(watch.token(), sources, call)
+
+    return check
 
 
 def raw_replay(entry: Any, batch: ForwardBatch) -> Callable[[], None]:
@@ -134,8 +149,10 @@ def wrap_floor(device: torch.device, clock: Clock, iters: int, warmup: int) -> T
         ("4 layouts, the same one called", lambda: several(x)),
         ("2 layouts called in turn (per call)", lambda: (several(x), several(others[0]))),
         ("replay", entry.graph.replay),
+        ("guards", guard_check(entry, [x])),
     ]
     pairs = {name: (name, "replay", 2 if "in turn" in name else 1) for name, _ in probes if name != "replay"}
+    pairs["guards"] = ("guards", None, 1)
     return time_costs(clock, probes, pairs, iters, warmup)
 
 
@@ -228,5 +245,8 @@ def format_wrap(floor: Mapping[str, Any]) -> List[str]:
     lines = ["", f"wrap(): a one-op function (wrapped call - raw replay of the same graph, paired samples), "
                  f"trivial ops per call; target <= {TARGETS['wrap']:g} with one layout"]
     for name, cost in floor["costs"].items():
-        lines.append(f"  {name}: {format_figure(cost, TARGETS['wrap'] if name == '1 layout' else None)}")
+        if name != "guards":
+            lines.append(f"  {name}: {format_figure(cost, TARGETS['wrap'] if name == '1 layout' else None)}")
+    lines.append(f"  of which the key's guards (state token, state, bindings; no aliasing check: the function writes "
+                 f"nothing): {format_cost(floor['costs']['guards'], digits=2)}")
     return lines

@@ -149,12 +149,12 @@ def format_runner_floor(batches: Sequence[Mapping[str, Any]], device: str) -> Li
         for name in LABELS:
             row += [format_cost(costs[name]), format_stability(costs[name]), verdict(costs[name], target)]
         row += [f"{format_cost(costs['validate'])} / {format_cost(costs['validate_metadata_only'])}",
-                format_cost(costs["debug"], "us")]
+                format_cost(costs["guards"], digits=2), format_cost(costs["debug"], "us")]
         rows.append(row)
     header = ["bs", "trivial op us"]
     for title in ("value checks", "metadata only"):
         header += [title, "p90/p10", f"<= {target:g}"]
-    lines += _table([*header, "validate(): values / metadata only", "debug: + us"], rows)
+    lines += _table([*header, "validate(): values / metadata only", "guards", "debug: + us"], rows)
     lines += [
         f"value checks: {LABELS['runner']}: GraphRunner's default; on CPU validate() also reads the index values of "
         "the batch's host tensors" + ("" if device == "cpu" else
@@ -163,6 +163,8 @@ def format_runner_floor(batches: Sequence[Mapping[str, Any]], device: str) -> Li
         "metadata only: the figure a GPU user pays",
         "validate(): batch.validate() alone, with and without the value checks, same rounds (part of the runner's "
         "figure), trivial ops",
+        "guards: the key's per-call guard check alone (state token, state, bindings; the one-op model writes "
+        "nothing, so no aliasing check), same rounds (part of the runner's figure), trivial ops",
         "debug: extra cost per call of the same one-op runner with debug=True (stale-output guard)",
         "p90/p10: how still the figure holds over the rounds; below noise: the paired differences do not rise above "
         "the noise (bench_timing.Cost)",

@@ -18,9 +18,9 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TIMED = ("eager", "graph", "replay", "hook", "trivial")
 # graphrt's own cost at the floor, per decode batch size: GraphRunner one-op with and without value checks,
 # debug mode, validate() alone each way
-FLOOR_COSTS = {"runner", "runner_metadata_only", "debug", "validate", "validate_metadata_only"}
+FLOOR_COSTS = {"runner", "runner_metadata_only", "debug", "validate", "validate_metadata_only", "guards"}
 TARGETS = {"runner": 6, "runner_metadata_only": 6, "wrap": 3, "piecewise": 9, "piecewise_metadata_only": 9}
-WRAP_COSTS = {"1 layout", "4 layouts, the same one called", "2 layouts called in turn (per call)"}
+WRAP_COSTS = {"1 layout", "4 layouts, the same one called", "2 layouts called in turn (per call)", "guards"}
 
 
 @pytest.fixture
