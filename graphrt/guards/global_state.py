@@ -20,6 +20,7 @@ import torch
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 # Module.train() calls made in this process since graphrt started counting (a list: one cell, read by index).
 TRAIN_CALLS = [0]
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def count_train_calls() -> None:
@@ -42,7 +43,7 @@ def count_train_calls() -> None:
 def autocast_state() -> Optional[Tuple[Any, ...]]:
     """None while no autocast is on (the common case, one C call), else per enabled device type
     its dtype, and whether autocast caches casts."""
-    if not torch._C._is_any_autocast_enabled():
+    if not _any_autocast():
         return None
     enabled = tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
                     if _autocast_enabled(device))
@@ -78,17 +79,15 @@ class StateWatch:
 
     def token(self) -> Tuple[Any, ...]:
         """``(autocast_state(), training flags)`` for the call about to run."""
-        if TRAIN_CALLS[0] != self._seen_calls:
+        if TRAIN_CALLS[0] != self._seen_calls or self.roots and self._root_flag_assigned():
             self._read_training()
-        else:
-            for root, flag in zip(self.roots, self._root_flags):  # a flag assigned without train()
-                if root.training is not flag:
-                    self._read_training()
-                    break
-        autocast = autocast_state()
-        if autocast is None:
+        if not _any_autocast():
             return self._token
-        return autocast, self._training
+        return autocast_state(), self._training
+
+    def _root_flag_assigned(self) -> bool:
+        """Whether a root's flag was assigned without ``train()`` since it was read."""
+        return any([root.training is not flag for root, flag in zip(self.roots, self._root_flags)])
 
     def _read_training(self) -> None:
         self._seen_calls = TRAIN_CALLS[0]

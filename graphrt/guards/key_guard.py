@@ -80,8 +80,10 @@ class KeyGuard:
         state an argument must not share memory with is what the bindings reach and what the step
         wrote: memory still held, unlike the temporaries of the capture, whose addresses come back."""
         bindings = find_bindings(spec.roots, touched - own, memory_of)
-        state_memory = frozenset((bindings.memory | written) - own)
-        return cls(spec.watch, spec.watch.token(), bindings, state_memory, bool(written), writes_inputs)
+        written_state = written - own
+        state_memory = frozenset(bindings.memory | written_state)
+        return cls(spec.watch, spec.watch.token(), bindings, state_memory, bool(written_state) or writes_inputs,
+                   writes_inputs)
 
     def failure(self, state: Any, sources: Sources, call: Any) -> Optional[GuardFailure]:
         """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
@@ -96,21 +98,16 @@ class KeyGuard:
         return None
 
     def _aliased(self, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[GuardFailure]:
-        seen: Set[int] = set()
-        for index, tensor in enumerate(tensors):
-            if tensor is None:
-                continue
-            memory = memory_of(tensor)
-            if not memory:  # empty: no memory to share
-                continue
-            if memory in self.touched:
-                return GuardFailure("aliased_inputs", f"staged tensor {index} shares memory with state the "
-                                                      "step reads or writes")
-            if self.check_pairs:
-                if memory in seen:
-                    return GuardFailure("aliased_inputs", f"staged tensor {index} shares memory with an "
-                                                          "earlier one, and the step writes its inputs")
-                seen.add(memory)
+        memory = [tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None]
+        if not self.touched.isdisjoint(memory):
+            index = next(index for index, address in enumerate(memory) if address in self.touched)
+            return GuardFailure("aliased_inputs", f"staged tensor {index} shares memory with state the step reads "
+                                                  "or writes")
+        if self.check_pairs:
+            real = [address for address in memory if address]  # an empty tensor has no memory to share
+            if len(set(real)) != len(real):
+                return GuardFailure("aliased_inputs", "two staged tensors share memory, and the step writes its "
+                                                      "inputs")
         return None
 
     def check_storage(self) -> None:
