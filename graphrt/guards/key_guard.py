@@ -56,19 +56,16 @@ def memory_of(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+@dataclass(eq=False)
 class KeyGuard:
     """The state one key was captured under, and the per-call check against it."""
 
-    __slots__ = ("watch", "state", "bindings", "touched", "check_aliases", "check_pairs")
-
-    def __init__(self, watch: StateWatch, state: Any, bindings: Bindings, touched: FrozenSet[int],
-                 check_aliases: bool, check_pairs: bool) -> None:
-        self.watch = watch
-        self.state = state
-        self.bindings = bindings
-        self.touched = touched
-        self.check_aliases = check_aliases
-        self.check_pairs = check_pairs
+    watch: StateWatch
+    state: Any  # the StateWatch token at capture
+    bindings: Bindings
+    touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
+    check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
+    check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
 
     @classmethod
     def capture(cls, spec: GuardSpec, touched: Set[int], written: Set[int], writes_inputs: bool,
