@@ -155,6 +155,8 @@ class GraphedCallable:
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
+        # Modules passed as arguments run in the step: their training flags are part of the call's state.
+        self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
         capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
         registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:

@@ -250,3 +250,15 @@ def test_a_module_rebinding_its_own_state_is_refused_and_left_as_eager_leaves_it
             assert torch.equal(model.state, reference.state)
     failed = fast.stats()["failed_keys"]
     assert any("RebindError" in reason and "Recurrent.state" in reason for reason in failed.values())
+
+
+def test_a_module_passed_as_an_argument_has_its_training_flag_watched():
+    """A module argument is a constant of the layout; its train()/eval() still changes what the step computes."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    fast = wrap(lambda x, module: module(x), max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x, model)
+        model.eval()
+        assert all(torch.equal(fast(x, model), model(x)) for _ in range(3))
+    assert fast.stats()["graph_runs"] >= 1

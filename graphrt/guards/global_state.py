@@ -89,6 +89,14 @@ class StateWatch:
         """Whether a root's flag was assigned without ``train()`` since it was read."""
         return any([root.training is not flag for root, flag in zip(self.roots, self._root_flags)])
 
+    def watch_also(self, modules: Sequence[torch.nn.Module]) -> None:
+        """Add roots (modules a call passes in): their flags join the token from the next call on."""
+        known = {id(root) for root in self.roots}
+        added = [module for module in modules if id(module) not in known]
+        if added:
+            self.roots = (*self.roots, *added)
+            self._seen_calls = -1
+
     def _read_training(self) -> None:
         self._seen_calls = TRAIN_CALLS[0]
         self._root_flags = tuple(root.training for root in self.roots)
