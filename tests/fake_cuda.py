@@ -67,7 +67,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import pytest
 import torch
@@ -76,8 +76,8 @@ from fake_cuda_allocator import (  # noqa: F401 - the behaviours are part of thi
     PoolId, TorchBehaviour,
 )
 from fake_cuda_runtime import CaptureEffects
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
 import graphrt.backends.cuda
 import graphrt.capture
@@ -138,6 +138,18 @@ class RecordedOp:
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.made = [(i, t) for i, t in enumerate(leaves) if t.numel() and _storage(t) not in inputs]
 
+    def hold_pool_memory_weakly(self, pool_storages: Set[int]) -> None:
+        """Point at the pool memory the capture made (``pool_storages``) without owning it, as a
+        graph holds addresses, not tensors: a block a capture frees goes back to its pool."""
+
+        def weak(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.numel() and _storage(value) in pool_storages:
+                return CaptureEffects.non_owning(value)
+            return value
+
+        self.args, self.kwargs = tree_map(weak, self.args), tree_map(weak, self.kwargs)
+        self.made = [(index, weak(target)) for index, target in self.made]
+
     def replay(self) -> None:
         fresh = [t for t in tree_leaves(self.func(*self.args, **self.kwargs)) if isinstance(t, torch.Tensor)]
         for index, target in self.made:
@@ -159,6 +171,7 @@ class FakeCUDAGraph:
         self.capture_ended = False
         self.ops: List[RecordedOp] = []
         self.workspaces: List[object] = []  # the cuBLAS workspaces its kernels use
+        self.pool_storages: Set[int] = set()  # the memory its capture allocated (data pointers)
         self.cuda.graphs.add(self)
 
     def register_generator_state(self, generator: torch.Generator) -> None:
@@ -212,7 +225,7 @@ class FakeCUDAGraph:
         if not self.capture_ended:
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
         self.cuda.effects.check_workspaces(self)
-        with torch.no_grad():
+        with torch.no_grad(), _disable_current_modes():  # a launch: no dispatch mode sees its kernels
             for op in self.ops:
                 op.replay()
 
@@ -262,6 +275,8 @@ class RecordingMode(TorchDispatchMode):
             self.cuda.allocator.allocated_in_capture(stream, tensor)
         effects.use_workspace(func, stream)
         effects.garble(op.made)
+        stream.graph.pool_storages.update(_storage(tensor) for _, tensor in op.made)
+        op.hold_pool_memory_weakly(stream.graph.pool_storages)
         stream.graph.ops.append(op)
         return out
 
