@@ -237,12 +237,13 @@ def test_graphs_without_weak_references_capture_each_in_a_fresh_pool(monkeypatch
 
 # ---- scripts/gpu_checks.py, over the fake -------------------------------------------------------
 
-FEWER_STEPS = {"retune_after_failed_largest": {"steps": 12}, "invalidated_then_healthy": {"replays": 30}}
+FEWER_STEPS = {"retune_after_failed_largest": {"steps": 12}, "invalidated_then_healthy": {"replays": 30},
+               "invalidated_last_then_random": {"steps": 6}}
 
 
 @pytest.mark.parametrize("behaviour", [TORCH_2_11, TORCH_RESET_RELEASES],
                          ids=["fake-torch-2.11", "fake-torch-pr190348"])
-@pytest.mark.parametrize("check", ["retune_after_failed_largest", "invalidated_then_healthy"])
+@pytest.mark.parametrize("check", sorted(FEWER_STEPS))
 def test_the_gpu_checks_pass_over_the_fake(check, behaviour, checks, monkeypatch):
     with install(monkeypatch, behaviour) as fake:
         result = checks.run_check(check, "cpu", **FEWER_STEPS[check])
