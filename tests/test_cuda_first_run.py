@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 from fake_cuda import TORCH_2_11, RecordingMode, install
+from piecewise_helpers import double_rows
 from test_cuda_pool import checks, device, older_objects_frozen, statuses  # noqa: F401 - fixtures
 
 from graphrt import GraphRunner
@@ -265,3 +266,48 @@ def test_pool_bytes_stay_non_negative_when_a_retired_pool_is_freed_during_a_capt
     report = runner.retune(1)  # bs 1 only; its capture frees the first pool (no output views it) as it begins
     assert report.keys and all(key.pool_bytes >= 0 for key in report.keys), [key.pool_bytes for key in report.keys]
     device.settle()
+
+
+# ---- item 7: piecewise keys hold their pool memory as the pool does ---------------------------------
+
+class Split(torch.nn.Module):
+    """Embeds tokens (a piece), doubles them in a splitting op, scales them (a piece)."""
+
+    def __init__(self, device_name: str) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(97, 512, generator=torch.Generator().manual_seed(0)).to(device_name))
+
+    def forward(self, input_ids, positions, forward_batch):
+        return double_rows(self.embed[input_ids] + positions[:, None]) * 3
+
+
+def piecewise_pool_allocated(fake, sizes) -> int:
+    """Pool bytes that tensors still own after capturing a runner with piecewise keys of ``sizes``."""
+    runner = GraphRunner(Split("cpu"), max_batch_size=1, capture_sizes=[1], backend="cuda", device="cpu",
+                         progress=False, splitting_ops=[double_rows], piecewise_sizes=sizes)
+    runner.capture()
+    assert all(status is READY for status in statuses(runner).values())
+    allocated = fake.allocator.allocated()
+    del runner
+    gc.collect()
+    return allocated
+
+
+def test_piecewise_keys_own_no_pool_memory_so_it_stays_near_the_largest_keys(monkeypatch):
+    with install(monkeypatch, TORCH_2_11) as fake:
+        largest_only = piecewise_pool_allocated(fake, [64])
+        every_size = piecewise_pool_allocated(fake, [8, 16, 32, 64])
+    assert every_size <= largest_only, (every_size, largest_only)
+
+
+@pytest.mark.cuda
+def test_piecewise_keys_replay_equal_to_eager_with_pool_held_outputs():
+    model = Split("cuda")
+    runner = GraphRunner(model, max_batch_size=1, capture_sizes=[1], backend="cuda", device="cuda", progress=False,
+                         splitting_ops=[double_rows], piecewise_sizes=[8, 16])
+    runner.capture()
+    for tokens in (6, 12, 6, 12, 6):  # each size shows its token axis once (axis_probe), then replays
+        batch = make_extend_batch([list(range(tokens))], [1], [0], torch.arange(1, tokens + 1, device="cuda"), "cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(runner(batch), model(batch.input_ids, batch.positions, batch))
+    assert runner.stats()["piecewise_runs"] >= 3

@@ -315,3 +315,8 @@ class CudaPieces:
 
     def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
         return [CudaPiece(graph) for graph in self.graphs]
+
+    @staticmethod
+    def weak(tensor: torch.Tensor) -> torch.Tensor:
+        """A non-owning view: the block goes back to the pool, which keeps the memory reserved."""
+        return non_owning(tensor)
