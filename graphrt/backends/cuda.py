@@ -136,8 +136,9 @@ class CudaGraphBackend:
             except BaseException:
                 self.abandon(graph, generators)
                 raise
-            outputs = tree_map(non_owning, outputs)
-            self.end_capture(graph, generators, outputs)
+            self.end_capture(graph, generators)
+        outputs = tree_map(non_owning, outputs)
+        self.pool.viewed(outputs)
         torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._grown(reserved_before))
 
@@ -171,18 +172,17 @@ class CudaGraphBackend:
             self.abandon(graph, generators)
             raise
 
-    def end_capture(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = (),
-                    outputs: Any = ()) -> None:
-        """``capture_end``; the graph then holds the pool while it lives, and ``outputs`` (non-owning
-        views) hold its memory while a caller keeps one. If it raises (the capture was invalidated: a
-        host sync, an illegal call), ``abandon`` cleans up before the error goes on."""
+    def end_capture(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
+        """``capture_end``, cuBLAS's workspaces cleared after; the graph then holds the pool while it
+        lives. If it raises (the capture was invalidated: a host sync, an illegal call), ``abandon``
+        cleans up before the error goes on."""
         try:
             graph.capture_end()
         except BaseException:
             self.abandon(graph, generators)
             raise
         clear_cublas_workspaces()
-        self.pool.captured(graph, outputs)
+        self.pool.captured(graph)
 
     def abandon(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
         """Leave no trace of a capture that failed, so the next key captures and eager random numbers
@@ -316,7 +316,8 @@ class CudaPieces:
     def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
         return [CudaPiece(graph) for graph in self.graphs]
 
-    @staticmethod
-    def weak(tensor: torch.Tensor) -> torch.Tensor:
-        """A non-owning view: the block goes back to the pool, which keeps the memory reserved."""
-        return non_owning(tensor)
+    def weak(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A non-owning view: the block goes back to the pool, which stays reserved while the view lives."""
+        view = non_owning(tensor)
+        self.backend.pool.viewed(view)
+        return view

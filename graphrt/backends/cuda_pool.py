@@ -117,11 +117,14 @@ class CudaPool:
         self._used = True
         return self.id
 
-    def captured(self, graph: "torch.cuda.CUDAGraph", outputs: Any = ()) -> None:
-        """``graph``'s capture ended in the current id: it holds the pool while it lives; ``outputs``
-        (non-owning views of its memory) keep the pool reserved while a caller holds one."""
+    def viewed(self, outputs: Any) -> None:
+        """``outputs`` (non-owning views of the current id's memory) keep the pool reserved while a
+        caller holds one, after its graphs are gone."""
         self._views.extend(StorageWeakRef(leaf.untyped_storage()) for leaf in tree_leaves(outputs)
                            if isinstance(leaf, torch.Tensor))
+
+    def captured(self, graph: "torch.cuda.CUDAGraph") -> None:
+        """``graph``'s capture ended in the current id: it holds the pool while it lives."""
         try:
             self._graphs.add(graph)
         except TypeError:  # no weak reference: whether the pool is held cannot be known
