@@ -154,6 +154,7 @@ class CudaPool:
         if not unviewed:
             return
         self.retired = [pool for pool in self.retired if pool.viewed()]
+        clear_cublas_workspaces()  # a reset frees the stream's cached workspace (pytorch#175276): none left
         for pool in unviewed:
             pool.anchor.reset()
         try:
