@@ -6,7 +6,8 @@ full and piecewise keys, each ``wrap()`` layout) and whatever the backend:
 1. warm-up calls of the step on the key's static inputs (the backend's warm-up context);
 2. the recording (``backend.capture``, or the entry's own recorder: piecewise keys record in pieces);
 3. every write of 1 and 2 to tensors that existed before is undone (``StateJournal``), so capture
-   leaves the model's state as it was (on CUDA the capture executes nothing and follows the undo);
+   leaves the model's state as it was (on CUDA the capture executes nothing; what runs during it,
+   a piecewise key's piece replays and splitting ops, writes what the warm-ups wrote, undone alike);
 4. verification: the step runs eagerly on the same inputs and state, the graph replays, and
    outputs and state writes are compared; both runs are undone.
 
@@ -299,10 +300,13 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                 generators = journal.generators.explicit()
                 if backend.capture_executes:
                     graph = record(fn, generators)
+            if graph is None:
+                # A CUDA capture executes nothing, outside the journal (its saves would be captured);
+                # what does run during it (piecewise: each piece's replay, the splitting ops) writes
+                # the regions the warm-ups wrote, so the journal, kept until now, undoes it too.
+                graph = record(fn, generators)
         finally:
             journal.restore()
-        if graph is None:
-            graph = record(fn, generators)
     return graph
 
 

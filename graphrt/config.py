@@ -101,7 +101,11 @@ class RunnerConfig:
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
-        resolve_backend_name(self.backend)
+        if resolve_backend_name(self.backend, self.device) == "cuda" and self.warmup_iters < 1:
+            # The first run of a step initializes what must not run inside a capture (NCCL
+            # communicators, Triton's JIT, cuBLAS handles): on CUDA it must be a warm-up.
+            raise ValueError(f"warmup_iters: expected an int >= 1 on the cuda backend (the first run of a step "
+                             f"sets up NCCL, Triton and cuBLAS, which a capture cannot), got {self.warmup_iters}")
         if self.cpu_group is not None and self.process_group is None:
             raise ValueError("cpu_group: expected None without process_group (it carries the lockstep agreements)")
         self._set("modes", tuple(ForwardMode(mode) for mode in self.modes))

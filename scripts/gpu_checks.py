@@ -6,6 +6,9 @@
 - ``retune_after_failed_largest``: the largest key's graph differs from eager (verification drops
   it), the smaller keys capture; steps; ``retune(3)`` drops every decode graph and captures the
   new sizes in a fresh pool; replays equal eager; ``torch.cuda.empty_cache()`` is legal.
+- ``invalidated_last_then_random``: the last key captured reads a value on the host, so no later
+  capture succeeds; eager ``torch.rand`` works at once, and 50 steps each followed by eager sampling
+  (``torch.multinomial``) run (issue 33, item 1).
 - ``invalidated_then_healthy``: the largest key reads a value on the host (``.item()``), which
   invalidates its capture; the next keys capture and replay; ``empty_cache()`` is legal; the
   allocator's ``allocated_bytes.all.current`` and ``reserved_bytes.all.current`` are the same
@@ -184,9 +187,26 @@ def check_invalidated_then_healthy(device: str, replays: int = 200) -> Dict[str,
     return {"failed": failed, "replays": replays, "allocator_before": before, "allocator_after": after}
 
 
+def check_invalidated_last_then_random(device: str, steps: int = 50) -> Dict[str, Any]:
+    """The last key captured is invalidated by a host read, so no later capture ends the generator's
+    capture (torch <= 2.11 left it on): eager random numbers work at once, and steps that draw them
+    (a sampler) replay and run eagerly alongside."""
+    model = Misbehaving("item", at=1, device=device)
+    runner = runner_for(model, device, [1, 2, 4])
+    runner.capture()
+    expect(key_names(runner, GraphStatus.FAILED) == ["decode/bs=1"], f"failed keys {runner.stats()['failed_keys']}")
+    expect(bool(torch.rand(4, device=device).isfinite().all()), "eager random numbers fail after the failed capture")
+    for step in range(steps):
+        batch = decode_batch((1, 2, 3)[step % 3], device, seed=step)
+        logits = runner(batch)
+        torch.multinomial(torch.softmax(logits.float(), -1), 1)  # eager sampling after every step
+    return {"graph_runs": runner.stats()["graph_runs"], "eager_runs": runner.stats()["eager_runs"]}
+
+
 CHECKS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "retune_after_failed_largest": check_retune_after_failed_largest,
     "invalidated_then_healthy": check_invalidated_then_healthy,
+    "invalidated_last_then_random": check_invalidated_last_then_random,
 }
 
 

@@ -35,8 +35,24 @@ A capture records the aten ops the step runs (a dispatch mode under every other 
 runs them again on the captured tensors, copying each op's fresh result into the tensor it made
 at capture, as a graph writes the same addresses every launch; the model's Python never runs.
 
-Not modelled: kernels (capture runs the ops on the CPU, so its writes happen, where a GPU only
-records them), block reuse inside a pool (its reserved bytes only grow), graph-safe random numbers,
+What a capture executes (issue 33), in tests/fake_cuda_runtime.py: nothing of value. Every tensor
+an op makes during a capture holds garbage (NaN, or 0 for integers) until a replay computes it, as
+pool memory holds whatever was there. The default CUDA generator's capture (``capture_prologue`` in
+``capture_begin``, ``capture_epilogue`` at the end of a successful ``capture_end``) sticks after an
+invalidated capture up to 2.11: every later eager draw raises "Offset increment outside graph
+capture" until a capture succeeds (pytorch#176752 runs the epilogue first). cuBLAS keeps one
+workspace per stream, allocated in the capture's pool on the first matmul captured there and reused
+by every later capture on that stream; from pytorch#175276 ``reset()`` frees it under the graphs that
+still use it (their replay: an illegal address). One capture at a time: a second capture in the
+process raises. ``empty_cache()`` frees pools whose blocks no tensor owns: a tensor still viewing
+that memory (a non-owning output) then reads freed memory, an illegal address. A capture past the
+allocator's ``capacity`` runs out of memory (it cannot free other pools' cached segments). Blocks
+round to 512 bytes in 2 MiB / 20 MiB / own segments (tests/fake_cuda_allocator.py).
+
+Not modelled: kernels' timing and streams' ordering (capture runs the ops on the CPU, then replaces
+what they made with garbage; its in-place writes to older tensors happen, where a GPU only records
+them), block fragmentation inside a segment, graph-safe random numbers (a replay draws from the CPU
+generator), explicit CUDA generators,
 host syncs other than ``_local_scalar_dense``/``nonzero``/``equal``/``is_nonzero`` and device
 synchronize (a pageable copy cannot be told from a CPU copy here), other threads and
 ``capture_error_mode`` beyond its names (every capture is this thread's), streams' ordering
@@ -49,7 +65,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Dict, Iterator, List, Optional
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import pytest
 import torch
@@ -57,9 +75,11 @@ from fake_cuda_allocator import (  # noqa: F401 - the behaviours are part of thi
     BEHAVIOURS, END_BINDINGS, TORCH_2_7, TORCH_2_11, TORCH_2_12, TORCH_RESET_RELEASES, FakeAllocator, InternalAssert,
     PoolId, TorchBehaviour,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from fake_cuda_runtime import CaptureEffects
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
+import graphrt.backends.cuda
 import graphrt.capture
 
 aten = torch.ops.aten
@@ -79,6 +99,7 @@ class FakeStream:
         self.default = default
         self.status = "none"  # none | active | invalidated
         self.mode: Optional[str] = None
+        self.thread: Optional[int] = None  # the thread that began the capture
         self.graph: Optional["FakeCUDAGraph"] = None
 
     def wait_stream(self, stream: "FakeStream") -> None:
@@ -94,6 +115,7 @@ class FakeStream:
         if self.status != "none":
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing (cudaStreamBeginCapture)")
         self.status, self.mode, self.graph = "active", mode, graph
+        self.thread = threading.get_ident()
 
     def end_capture(self) -> bool:
         """cudaStreamEndCapture: ends any capture; False when it was invalidated (or none ran)."""
@@ -116,6 +138,18 @@ class RecordedOp:
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.made = [(i, t) for i, t in enumerate(leaves) if t.numel() and _storage(t) not in inputs]
 
+    def hold_pool_memory_weakly(self, pool_storages: Set[int]) -> None:
+        """Point at the pool memory the capture made (``pool_storages``) without owning it, as a
+        graph holds addresses, not tensors: a block a capture frees goes back to its pool."""
+
+        def weak(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.numel() and _storage(value) in pool_storages:
+                return CaptureEffects.non_owning(value)
+            return value
+
+        self.args, self.kwargs = tree_map(weak, self.args), tree_map(weak, self.kwargs)
+        self.made = [(index, weak(target)) for index, target in self.made]
+
     def replay(self) -> None:
         fresh = [t for t in tree_leaves(self.func(*self.args, **self.kwargs)) if isinstance(t, torch.Tensor)]
         for index, target in self.made:
@@ -136,6 +170,12 @@ class FakeCUDAGraph:
         self.referenced = False  # beginAllocateToPool took a reference on pool_id
         self.capture_ended = False
         self.ops: List[RecordedOp] = []
+        self.workspaces: List[object] = []  # the cuBLAS workspaces its kernels use
+        self.pool_storages: Set[int] = set()  # the memory its capture allocated (data pointers)
+        self.cuda.graphs.add(self)
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Explicit CUDA generators are not modelled (the fake's tensors and generators are the CPU's)."""
 
     def capture_begin(self, pool: Optional[PoolId] = None, capture_error_mode: str = "global") -> None:
         if self.capture_ended:
@@ -147,6 +187,7 @@ class FakeCUDAGraph:
         if stream.default:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
         self.capture_stream = stream
+        self.cuda.effects.refuse_second_capture()
         if pool is not None and any(pool):
             self.cuda.allocator.internal_assert(not (pool[0] and pool[1]), "!(pool.first && pool.second)")
             self.pool_id = tuple(pool)
@@ -157,6 +198,7 @@ class FakeCUDAGraph:
         self.referenced = True  # reference is taken even when the routing is then refused
         allocator.route_to_pool(self.pool_id, stream)
         allocator.host_begin(self.pool_id)
+        self.cuda.effects.rng_capturing = True  # capture_prologue of the default generator
         stream.begin_capture(self, capture_error_mode)
         self.cuda.pools_begun.append(self.pool_id)
 
@@ -167,18 +209,23 @@ class FakeCUDAGraph:
         valid = stream.end_capture()
         error = None if valid else RuntimeError(
             "CUDA error: operation failed due to a previous error during capture (cudaStreamEndCapture)")
-        if error is not None and not self.cuda.behaviour.end_pool_before_raising:
+        behaviour = self.cuda.behaviour
+        if error is not None and behaviour.rng_epilogue_on_failure:
+            self.cuda.effects.rng_capturing = False
+        if error is not None and not behaviour.end_pool_before_raising:
             raise error
         self.cuda.allocator.end_allocate_to_pool(self.pool_id)
         self.cuda.allocator.host_end(self.pool_id)
         if error is not None:
             raise error
+        self.cuda.effects.rng_capturing = False  # capture_epilogue
         self.capture_ended = True
 
     def replay(self) -> None:
         if not self.capture_ended:
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
-        with torch.no_grad():
+        self.cuda.effects.check_workspaces(self)
+        with torch.no_grad(), _disable_current_modes():  # a launch: no dispatch mode sees its kernels
             for op in self.ops:
                 op.replay()
 
@@ -189,6 +236,8 @@ class FakeCUDAGraph:
 
     def reset(self) -> None:
         release = self.capture_ended or (self.referenced and self.cuda.behaviour.reset_releases_failed)
+        if self.capture_ended and self.cuda.behaviour.reset_frees_workspace:
+            self.cuda.effects.free_workspace(self.capture_stream)
         self.capture_ended = self.referenced = False
         self.ops = []
         if release:
@@ -211,16 +260,24 @@ class RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        stream = self.cuda.current_stream()
+        stream, effects = self.cuda.current_stream(), self.cuda.effects
         if stream.status != "none" and func in HOST_SYNC_OPS:
             stream.invalidate()
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
-        out = func(*args, **kwargs)
-        if stream.status == "active":
-            op = RecordedOp(func, args, kwargs, out)
-            for _, tensor in op.made:
-                self.cuda.allocator.allocated_in_capture(stream, tensor)
-            stream.graph.ops.append(op)
+        effects.check_reads(func, args, kwargs)
+        effects.check_draw(func, args, kwargs, stream.status != "none")
+        if stream.status != "active":
+            return func(*args, **kwargs)
+        with effects.writing_nothing(func, args, kwargs):
+            out = func(*args, **kwargs)
+        op = RecordedOp(func, args, kwargs, out)
+        for _, tensor in op.made:
+            self.cuda.allocator.allocated_in_capture(stream, tensor)
+        effects.use_workspace(func, stream)
+        effects.garble(op.made)
+        stream.graph.pool_storages.update(_storage(tensor) for _, tensor in op.made)
+        op.hold_pool_memory_weakly(stream.graph.pool_storages)
+        stream.graph.ops.append(op)
         return out
 
 
@@ -235,32 +292,35 @@ class FakeCuda:
         self.uids = itertools.count(1)
         self.streams: List[FakeStream] = []
         self.default_stream = FakeStream(cuda=self, default=True)
-        self._current = self.default_stream
+        self._local = threading.local()  # each thread's current stream
+        self.effects = CaptureEffects(self)
+        self.graphs: "weakref.WeakSet[FakeCUDAGraph]" = weakref.WeakSet()  # every graph alive
         self.pools_begun: List[PoolId] = []  # the pool of every capture_begin that got that far
         self.aborts: List[str] = []  # destructors that would have aborted the process
 
     # ---- torch.cuda -----------------------------------------------------------------------------
 
     def current_stream(self, device: Any = None) -> FakeStream:
-        return self._current
+        return getattr(self._local, "stream", self.default_stream)
 
     @contextlib.contextmanager
     def stream(self, stream: Optional[FakeStream]) -> Iterator[None]:
-        previous = self._current
+        previous = self.current_stream()
         if stream is not None:
-            self._current = stream
+            self._local.stream = stream
         try:
             yield
         finally:
-            self._current = previous
+            self._local.stream = previous
 
     def graph_pool_handle(self) -> PoolId:
         return (0, next(self.uids))
 
     def refuse_sync(self, call: str) -> None:
-        """A device or stream sync is prohibited while this thread captures (global/thread_local mode)."""
+        """A device or stream sync is prohibited while a capture in ``global`` mode, or one of this
+        thread in ``thread_local`` mode, is under way (cudaStreamCaptureMode)."""
         for stream in self.capturing_streams():
-            if stream.mode != "relaxed":
+            if stream.mode == "global" or (stream.mode == "thread_local" and stream.thread == threading.get_ident()):
                 stream.invalidate()
                 raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({call})")
 
@@ -268,7 +328,7 @@ class FakeCuda:
         self.refuse_sync("cudaDeviceSynchronize")
 
     def is_current_stream_capturing(self) -> bool:
-        return self._current.status != "none"
+        return self.current_stream().status != "none"
 
     def empty_cache(self) -> None:
         self.allocator.empty_cache()
@@ -319,6 +379,9 @@ def install(monkeypatch: pytest.MonkeyPatch, behaviour: TorchBehaviour) -> Itera
         else:
             monkeypatch.delattr(torch._C, name, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", cuda.release_pool, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", cuda.effects.clear_workspaces, raising=False)
+    # Outputs are non-owning views of pool memory as on a GPU (the fake allocator keeps the CPU memory).
+    monkeypatch.setattr(graphrt.backends.cuda, "non_owning", cuda.effects.non_owning)
     monkeypatch.setattr(FakeCuda, "installed", cuda)
     # CPU tensors stand for device memory here, so capture's check that a CUDA graph's tensors live
     # on its device (tests/test_wrap_capture.py tests it) would refuse every key.

@@ -46,6 +46,7 @@ def test_defaults_are_filled_in_and_frozen():
 @pytest.mark.parametrize("options, message", [
     ({"max_batch_size": 0}, "max_batch_size: expected an int >= 1"),
     ({"warmup_iters": -1}, "warmup_iters: expected an int >= 0"),
+    ({"warmup_iters": 0, "backend": "cuda"}, "warmup_iters: expected an int >= 1 on the cuda backend"),
     ({"backend": "tpu"}, "backend: expected one of"),
     ({"capture_sizes": [1, 99], "max_batch_size": 8}, r"capture_sizes: expected ints in \[1, 8\]"),
     ({"capture_sizes": "tuned"}, "capture_sizes: expected None, 'auto' or a list of ints"),

@@ -85,15 +85,17 @@ def test_capture_calls_match_torch_cuda_signatures_and_order(fake_cuda):
     side_stream.wait_stream.assert_called_with(fakes["main_stream"])
     fakes["main_stream"].wait_stream.assert_called_with(side_stream)
     graph_mock = fakes["CUDAGraph"].return_value
-    graph_mock.capture_begin.assert_called_once_with(pool=(0, 1), capture_error_mode="thread_local")
-    graph_mock.capture_end.assert_called_once_with()
+    assert graph_mock.capture_begin.call_count == 2  # the pool's anchor (an empty graph), then the step
+    graph_mock.capture_begin.assert_called_with(pool=(0, 1), capture_error_mode="thread_local")
+    graph_mock.capture_end.assert_called_with()
+    fakes["empty_cache"].assert_called_once_with()  # when the session began
     assert graph.replay == graph_mock.replay
     # Warm-ups run on the capture stream, each on the state as it was; their writes are undone before
     # capture begins.
+    begin = ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"})
     assert events == [
         ("enter stream", side_stream), ("step", 0), ("step", 0), ("exit stream", side_stream),
-        ("enter stream", side_stream), ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"}),
-        ("step", 0),
+        ("enter stream", side_stream), begin, ("capture_end",), begin, ("step", 0),
         ("capture_end",), ("exit stream", side_stream),
     ]
 
@@ -101,12 +103,25 @@ def test_capture_calls_match_torch_cuda_signatures_and_order(fake_cuda):
 def test_failed_capture_ends_the_capture_and_keeps_the_first_error(fake_cuda):
     events, fakes = fake_cuda
     backend = CudaGraphBackend(torch.device("cuda", 0))
-    fakes["CUDAGraph"].return_value.capture_end.side_effect = RuntimeError("capture invalidated")
+    ends = []
+
+    def invalidated_after_the_anchor():  # the pool's anchor captures; every later capture_end raises
+        events.append(("capture_end",))
+        ends.append(1)
+        if len(ends) > 1:
+            raise RuntimeError("capture invalidated")
+
+    fakes["CUDAGraph"].return_value.capture_end.side_effect = invalidated_after_the_anchor
 
     def step():
         raise ValueError("model error")
 
     with pytest.raises(ValueError, match="model error"):
         capture_graph(backend, step, warmup_iters=0)
-    fakes["CUDAGraph"].return_value.capture_end.assert_called_once_with()
-    assert events[-1] == ("exit stream", fakes["Stream"].return_value)
+    begin = ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"})
+    # the pool's anchor; the step's capture, ended by abandon; an empty capture in a pool of its own
+    # that ends the generators' capture (its capture_end raises here too: logged, the first error kept)
+    assert events[3:] == [begin, ("capture_end",), begin, ("capture_end",),
+                          ("capture_begin", {"pool": None, "capture_error_mode": "thread_local"}),
+                          ("capture_end",), ("exit stream", fakes["Stream"].return_value)]
+    fakes["CUDAGraph"].return_value.reset.assert_called_with()  # the failed graph is released at once

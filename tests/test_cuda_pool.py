@@ -30,7 +30,7 @@ from fake_cuda import (
 from piecewise_helpers import double_rows
 
 from graphrt import GraphRunner, wrap
-from graphrt.backends.cuda import CudaPool
+from graphrt.backends.cuda_pool import CudaPool
 from graphrt.entry import GraphEntry, GraphStatus
 from graphrt.reference import make_extend_batch
 
@@ -226,27 +226,24 @@ def test_a_piece_invalidated_by_a_host_read_fails_only_its_key(device):
 
 
 def test_graphs_without_weak_references_capture_each_in_a_fresh_pool(monkeypatch):
-    with install(monkeypatch, TORCH_2_11) as cuda:
+    with install(monkeypatch, TORCH_2_11) as cuda, cuda.stream(torch.cuda.Stream()):
         pool = CudaPool()
         first = pool.for_capture()
         pool.captured(object())  # takes no weak reference: whether the pool is held cannot be known
         second, third = pool.for_capture(), pool.for_capture()
         assert len({first, second, third}) == 3
-        empty_cache_calls = []
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: empty_cache_calls.append(1))
-        pool.for_capture()
-        assert empty_cache_calls == []  # a pool that may be held is never emptied
         assert cuda.allocator.asserts == []
 
 
 # ---- scripts/gpu_checks.py, over the fake -------------------------------------------------------
 
-FEWER_STEPS = {"retune_after_failed_largest": {"steps": 12}, "invalidated_then_healthy": {"replays": 30}}
+FEWER_STEPS = {"retune_after_failed_largest": {"steps": 12}, "invalidated_then_healthy": {"replays": 30},
+               "invalidated_last_then_random": {"steps": 6}}
 
 
 @pytest.mark.parametrize("behaviour", [TORCH_2_11, TORCH_RESET_RELEASES],
                          ids=["fake-torch-2.11", "fake-torch-pr190348"])
-@pytest.mark.parametrize("check", ["retune_after_failed_largest", "invalidated_then_healthy"])
+@pytest.mark.parametrize("check", sorted(FEWER_STEPS))
 def test_the_gpu_checks_pass_over_the_fake(check, behaviour, checks, monkeypatch):
     with install(monkeypatch, behaviour) as fake:
         result = checks.run_check(check, "cpu", **FEWER_STEPS[check])

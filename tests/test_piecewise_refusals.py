@@ -181,11 +181,12 @@ def test_cuda_pieces_follow_torch_cuda_signatures_and_order(fake_cuda):  # noqa:
     begin = ("capture_begin", {"pool": (0, 1), "capture_error_mode": "thread_local"})
     assert events == [
         ("enter stream", side_stream), ("splitting op",), ("exit stream", side_stream),  # warm-up
-        ("enter stream", side_stream), begin, ("capture_end",), ("splitting op",), begin, ("capture_end",),
+        ("enter stream", side_stream), begin, ("capture_end",),  # the pool's anchor, an empty graph
+        begin, ("capture_end",), ("splitting op",), begin, ("capture_end",),  # piece 1 replays before the op
         ("exit stream", side_stream),
         ("splitting op",), ("splitting op",),  # the first replay checked against eager
         ("replay",), ("splitting op",),
     ]
-    assert graph.piece_count == 2 and graph_mock.replay.call_count == 4
+    assert graph.piece_count == 2 and graph_mock.replay.call_count == 5
     fakes["synchronize"].assert_called_with(torch.device("cuda", 0))
     assert torch.equal(graph.outputs[0], (x + 1) * 6)

@@ -16,6 +16,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ubatch_helpers import SIZE_SETS, SIZES, batch_model, call_and_close, make_batch  # noqa: E402
 
+from graphrt.pools import memory  # noqa: E402
 from graphrt.ubatch import (
     DynamicUBatchWrapper,
     UBatchConfig,
@@ -172,7 +173,7 @@ def test_wrapper_delegates_attributes_and_unwraps():
 def test_dynamic_wrapper_splits_more_under_memory_pressure():
     pressure = [0.0]
     wrapper = DynamicUBatchWrapper(lambda x: x + 1, UBatchConfig(capture_sizes=SIZES), memory_threshold=0.8,
-                                   pressure_fn=lambda: pressure[0])
+                                   pressure_fn=lambda: pressure[0], pressure_every=1)
     counts = []
     for value in (0.0, 0.5, 0.8, 0.85, 0.9, 1.0):
         pressure[0] = value
@@ -180,6 +181,26 @@ def test_dynamic_wrapper_splits_more_under_memory_pressure():
     assert counts[:3] == [1, 1, 1] and counts == sorted(counts) and counts[-1] > counts[3] > 1
     x = torch.arange(150)
     assert torch.equal(wrapper(x), x + 1)
+
+
+def test_dynamic_wrapper_probes_memory_once_every_pressure_every_calls():
+    probes = []
+    wrapper = DynamicUBatchWrapper(lambda x: x, UBatchConfig(capture_sizes=SIZES),
+                                   pressure_fn=lambda: probes.append(1) or 0.95, pressure_every=8)
+    counts = [len(wrapper.compute_slices(64, 64)) for _ in range(17)]
+    assert len(probes) == 3 and len(set(counts)) == 1 and counts[0] > 1  # calls 1, 9 and 17 probe
+    with pytest.raises(ValueError, match="pressure_every"):
+        DynamicUBatchWrapper(lambda x: x, UBatchConfig(capture_sizes=SIZES), pressure_every=0)
+
+
+def test_the_default_pressure_leaves_out_the_allocators_cached_blocks(monkeypatch):
+    monkeypatch.setattr(memory, "probe_memory", lambda device=None: memory.MemoryInfo(10 << 30, 80 << 30, "nvml"))
+    monkeypatch.setattr(memory, "_cuda_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 60 << 30)  # 40 GiB of it cached, unused
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 20 << 30)
+    assert memory.memory_pressure() == 70 / 80
+    assert memory.unreclaimable_pressure() == 30 / 80
 
 
 def test_dynamic_wrapper_learns_the_best_size_from_timings():

@@ -40,6 +40,9 @@ class PieceSink(Protocol):
     def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
         """The captured pieces; ``outputs`` are the step's output leaves (what the last piece must publish)."""
 
+    def weak(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (memory a piece allocated), held no more than the pieces' graphs hold it."""
+
     @property
     def pool_bytes(self) -> Optional[int]:
         """Memory the pieces hold (after ``recording()`` ended)."""

@@ -1,45 +1,40 @@
 """CUDA backend on ``torch.cuda.CUDAGraph``: side-stream warm-up, one shared memory pool kept capturable.
 
 Every key captures into one private memory pool of PyTorch's caching allocator, largest key first,
-so smaller graphs reuse the blocks the largest reserved. The allocator's rules for such a pool
-(c10/cuda/CUDACachingAllocator.cpp, aten/src/ATen/cuda/CUDAGraph.cpp; docs/RELIABILITY.md cites them):
+so smaller graphs reuse the blocks the largest reserved (``CudaPool``, graphrt/backends/cuda_pool.py,
+has the allocator's rules). Around every capture, what a real GPU needs and no CPU run shows
+(issue 33; docs/RELIABILITY.md has a row each):
 
-- ``capture_begin(pool=id)`` creates the pool ``id`` or takes a reference on it, asserting that a pool
-  it finds is still referenced (``create_or_incref_pool``: ``use_count > 0``), and routes the capture's
-  allocations to it (one routing per id: "already recording to mempool_id");
-- a graph gives its reference back when it is freed, but the pool keeps its id until ``empty_cache``
-  finds its blocks unused: an id whose graphs are all gone cannot be captured into again;
-- a capture that fails can leave the routing on (``capture_end`` raises before ending it up to torch
-  2.11; the pinned host allocator's routing by id cannot be ended from Python at all) and its
-  reference taken.
-
-So ``CudaPool`` captures into one id while a graph captured there is alive, takes a fresh id when
-none is, and after a failed capture ends the routing and never uses that id again.
+- one capture session at a time in the process (``CAPTURE_LOCK``): PyTorch captures one graph at a
+  time, and a second session's device-wide ``synchronize()``/``empty_cache()`` would break a capture
+  under way;
+- ``empty_cache()`` when a session begins, as ``torch.cuda.graph`` does before each capture: during a
+  capture the allocator cannot free other pools' cached blocks;
+- cuBLAS's cached workspaces cleared around each capture (``clear_cublas_workspaces``);
+- after a capture that failed, one empty capture on the same stream with the same generators: up to
+  torch 2.11 a failed ``capture_end`` raises before ``capture_epilogue``, and the default generator
+  would refuse every eager draw ("Offset increment outside graph capture") until a capture succeeds.
+  The failed graph is reset at once (a traceback cycle would keep it alive while gc is off);
+- piecewise: each piece replayed once right after its capture, so the splitting op after it reads
+  real values (a capture computes nothing) (``CudaPieces``).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
 from graphrt.backends.base import CapturedGraph, SplitPoint
-from graphrt.backends.session import gc_frozen
+from graphrt.backends.cuda_pool import (
+    CAPTURE_ERROR_MODE, CudaPool, clear_cublas_workspaces, empty_capture, private_binding,
+)
+from graphrt.backends.session import CAPTURE_LOCK, gc_frozen
 
 logger = logging.getLogger(__name__)
-
-# Which CUDA calls a capture forbids (cudaStreamCaptureMode). ``thread_local`` forbids this thread's
-# unsafe calls, so a host sync in the step still fails its capture, and leaves other threads alone.
-# PyTorch's default, ``global``, would also fail any other thread's unsafe call during the capture
-# and invalidate the capture with it (another model's allocation, a communicator's watchdog querying
-# events): graphrt captures while serving (``wrap()`` on real calls, ``retune()``), as torch.compile's
-# CUDA-graph trees do, and they capture ``thread_local`` for that reason.
-CAPTURE_ERROR_MODE = "thread_local"
-PoolId = Tuple[int, int]
 
 
 class CudaGraph:
@@ -60,22 +55,16 @@ def non_owning(value: Any) -> Any:
     next replay of any key in the pool. Only CUDA memory: a pool keeps it reserved while graphs live."""
     if not isinstance(value, torch.Tensor) or not value.is_cuda:
         return value
+    return non_owning_view(value)
+
+
+def non_owning_view(value: torch.Tensor) -> torch.Tensor:
+    """``value`` over a storage that points at its memory without owning it."""
     storage = value.untyped_storage()
     view = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
     with torch.no_grad(), torch.inference_mode(False):  # an output usable in every mode
         return torch.empty(0, dtype=value.dtype, device=value.device).set_(
             view, value.storage_offset(), value.size(), value.stride())
-
-
-def end_allocate_to_pool() -> Optional[Callable[[int, PoolId], None]]:
-    """torch's binding that stops routing a device's allocations to a pool: ``_cuda_endAllocateToPool``
-    from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before (same arguments); None without either
-    (CPU builds hold placeholder classes under these names)."""
-    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
-        binding = getattr(torch._C, name, None)
-        if callable(binding) and not isinstance(binding, type):
-            return binding
-    return None
 
 
 def stream_capturing() -> Optional[bool]:
@@ -84,54 +73,6 @@ def stream_capturing() -> Optional[bool]:
         return torch.cuda.is_current_stream_capturing()
     except RuntimeError:
         return None
-
-
-class CudaPool:
-    """The pool id captures begin in, kept capturable: the same id while a graph captured into it is
-    alive (smaller keys reuse the largest key's blocks), a fresh one when none is or after a capture
-    in it failed. Graphs are tracked by weak reference: a graph alive in Python holds its pool
-    reference in the allocator, and a freed one has given it back."""
-
-    def __init__(self) -> None:
-        self.id: PoolId = torch.cuda.graph_pool_handle()
-        self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()
-        self._used = False  # a capture began in ``id``
-        self._abandoned = False  # a capture in ``id`` failed: the id is never used again
-        self._untracked = False  # this torch's graphs take no weak reference: every capture in a fresh id
-
-    def for_capture(self) -> PoolId:
-        """The id the next ``capture_begin`` uses."""
-        if self._abandoned or (self._used and (self._untracked or not self._graphs)):
-            self._renew()
-        self._used = True
-        return self.id
-
-    def captured(self, graph: "torch.cuda.CUDAGraph") -> None:
-        """``graph``'s capture ended in the current id: it holds the pool while it lives."""
-        try:
-            self._graphs.add(graph)
-        except TypeError:  # no weak reference: whether the pool is held cannot be known
-            self._untracked = True
-
-    def abandon(self) -> None:
-        """A capture in the current id failed: the next capture takes a fresh id."""
-        self._abandoned = True
-
-    def _renew(self) -> None:
-        """A fresh id. An old pool no graph holds any more is freed by ``empty_cache`` (the allocator's
-        own out-of-memory retry skips it while a capture is under way, so a recapture would need its
-        memory twice)."""
-        held = bool(self._graphs) or self._untracked
-        logger.debug("graph pool %s retired (%s); captures continue in a fresh pool", self.id,
-                     "a capture failed in it" if self._abandoned else "no graph captured into it is alive")
-        self.id = torch.cuda.graph_pool_handle()
-        self._graphs = weakref.WeakSet()
-        self._used = self._abandoned = False
-        if not held:
-            try:
-                torch.cuda.empty_cache()
-            except RuntimeError as error:  # another thread's capture is under way: the memory waits
-                logger.debug("empty_cache after retiring a graph pool raised: %s", error)
 
 
 class CudaGraphBackend:
@@ -151,16 +92,25 @@ class CudaGraphBackend:
 
     @contextmanager
     def _session(self) -> Iterator[None]:
-        torch.cuda.synchronize(self.device)
-        with gc_frozen():
-            yield
-        torch.cuda.synchronize(self.device)
+        """One capture session in the process at a time; the memory no graph or output holds is
+        freed first (a capture cannot free it), the collector is off while it captures."""
+        with CAPTURE_LOCK:
+            torch.cuda.synchronize(self.device)
+            self.pool.release_unviewed()
+            torch.cuda.empty_cache()
+            with gc_frozen():
+                yield
+            torch.cuda.synchronize(self.device)
 
     def capture_session(self) -> AbstractContextManager:
         return self._session()
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)
+
+    def _grown(self, reserved_before: int) -> int:
+        """The pool memory a capture added (never negative: a retired pool may be freed meanwhile)."""
+        return max(0, self._reserved() - reserved_before)
 
     @contextmanager
     def _on_capture_stream(self) -> Iterator[None]:
@@ -180,15 +130,17 @@ class CudaGraphBackend:
         reserved_before = self._reserved()
         graph = self.new_graph(generators)
         with self._on_capture_stream():
-            self.begin_capture(graph)
+            self.begin_capture(graph, generators)
             try:
                 outputs = fn()
             except BaseException:
-                self.abandon(graph)
+                self.abandon(graph, generators)
                 raise
-            self.end_capture(graph)
+            self.end_capture(graph, generators)
+        outputs = tree_map(non_owning, outputs)
+        self.pool.viewed(outputs)
         torch.cuda.synchronize(self.device)
-        return CudaGraph(graph, tree_map(non_owning, outputs), self._reserved() - reserved_before)
+        return CudaGraph(graph, outputs, self._grown(reserved_before))
 
     def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "CudaPieces":
         return CudaPieces(self, generators)
@@ -209,46 +161,67 @@ class CudaGraphBackend:
             register(generator)
         return graph
 
-    def begin_capture(self, graph: "torch.cuda.CUDAGraph") -> None:
-        """``capture_begin`` on the current (capture) stream, in the pool; if it raises, whatever it
-        began is undone (``abandon``) before the error goes on."""
+    def begin_capture(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
+        """``capture_begin`` on the current (capture) stream, in the pool, cuBLAS's workspaces
+        cleared first; if it raises, whatever it began is undone (``abandon``) before the error goes on."""
+        pool = self.pool.for_capture()
+        clear_cublas_workspaces()
         try:
-            graph.capture_begin(pool=self.pool.for_capture(), capture_error_mode=CAPTURE_ERROR_MODE)
+            graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
         except BaseException:
-            self.abandon(graph)
+            self.abandon(graph, generators)
             raise
 
-    def end_capture(self, graph: "torch.cuda.CUDAGraph") -> None:
-        """``capture_end``; the graph then holds the pool while it lives. If it raises (the capture
-        was invalidated: a host sync, an illegal call), ``abandon`` cleans up before the error goes on."""
+    def end_capture(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
+        """``capture_end``, cuBLAS's workspaces cleared after; the graph then holds the pool while it
+        lives. If it raises (the capture was invalidated: a host sync, an illegal call), ``abandon``
+        cleans up before the error goes on."""
         try:
             graph.capture_end()
         except BaseException:
-            self.abandon(graph)
+            self.abandon(graph, generators)
             raise
+        clear_cublas_workspaces()
         self.pool.captured(graph)
 
-    def abandon(self, graph: "torch.cuda.CUDAGraph") -> None:
-        """Leave no trace of a capture that failed, so the next key captures: call on the capture
-        stream once ``capture_begin``, the step or ``capture_end`` raised; the first error is kept.
+    def abandon(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
+        """Leave no trace of a capture that failed, so the next key captures and eager random numbers
+        work: call on the capture stream once ``capture_begin``, the step or ``capture_end`` raised;
+        the first error is kept.
 
         1. A stream still capturing (even invalidated) leaves capture mode through ``capture_end``
            (``cudaStreamEndCapture`` ends any capture). If that succeeds, the failure was clean:
-           routing ended, the discarded graph gives its pool reference back when freed.
+           routing ended, the generators' capture ended.
         2. Otherwise the allocator may still route to the pool (torch <= 2.11 raises before ending
-           it): end it. "not currently recording" means torch ended it already (2.12+).
-        3. Otherwise the pool id is retired: the pinned host allocator's routing by id cannot be ended
-           from Python. Its reference, if the failed graph kept one, is not given back here: torch
-           releases it in the graph's ``reset()`` from pytorch#190348 on, and a second release would
-           drop a pool live graphs use (or abort on ``uc >= 0``); a missing one only keeps the
-           retired pool's memory reserved (docs/RELIABILITY.md)."""
+           it): end it. "not currently recording" means torch ended it already (2.12+). The pool id
+           is retired: the pinned host allocator's routing by id cannot be ended from Python. Its
+           reference, if the failed graph kept one, is not given back here: torch releases it in the
+           graph's ``reset()`` from pytorch#190348 on, and a second release would drop a pool live
+           graphs use (or abort on ``uc >= 0``); a missing one only keeps the retired pool's memory
+           reserved (docs/RELIABILITY.md). Then one empty capture with the same generators ends
+           their capture, which torch <= 2.11 left on (pytorch#176752).
+        3. The failed graph is reset now, not when a collection finds it (the error's traceback
+           holds it in a cycle, and the collector is off while capturing)."""
         if not self._end_capture_cleanly(graph):
             self._end_routing()
             self.pool.abandon()
+            self._end_generator_capture(generators)
+        clear_cublas_workspaces()
+        graph.reset()
         try:
             torch.cuda.synchronize(self.device)
         except RuntimeError as error:
             logger.debug("synchronize after a failed capture raised: %s", error)
+
+    @staticmethod
+    def _end_generator_capture(generators: Sequence[torch.Generator]) -> None:
+        """One empty capture into a private pool of its own with ``generators`` registered: its
+        ``capture_end`` runs the epilogue a failed one skipped. The graph is dropped at once."""
+        try:
+            empty_capture(None, [generator for generator in generators if generator.device.type == "cuda"]).reset()
+        except RuntimeError as error:
+            logger.warning("could not end the random generators' capture after a failed capture (%s): eager "
+                           "random numbers on this device may fail until a capture succeeds", error)
 
     @staticmethod
     def _end_capture_cleanly(graph: "torch.cuda.CUDAGraph") -> bool:
@@ -263,8 +236,9 @@ class CudaGraphBackend:
             return False
 
     def _end_routing(self) -> None:
-        """Stop the allocator routing this device's allocations to the pool, if it still does."""
-        end = end_allocate_to_pool()
+        """Stop the allocator routing this device's allocations to the pool, if it still does:
+        torch's ``_cuda_endAllocateToPool`` from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before."""
+        end = private_binding("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
         if end is None:
             logger.warning("this torch has no binding to end a failed capture's pool routing: a later "
                            "torch.cuda.empty_cache() may fail")
@@ -288,7 +262,13 @@ class CudaPiece:
 class CudaPieces:
     """One CUDAGraph per piece, in the backend's shared pool, captured on its capture stream; the
     op between two pieces runs between one ``capture_end`` and the next ``capture_begin``. Only
-    the piece whose capture is open (begun, not ended) is abandoned when the pass fails."""
+    the piece whose capture is open (begun, not ended) is abandoned when the pass fails.
+
+    A capture computes nothing: what a piece made holds whatever the pool memory held. So each
+    piece replays once as soon as its capture ends, and the splitting op after it reads the values
+    eager would give it (an op indexing with them, as MoE routing does, would otherwise hit a
+    device-side assert). The replays' writes and draws, and the splitting ops', are undone with the
+    warm-ups' (``graphrt.capture.capture_graph`` restores after the recording)."""
 
     def __init__(self, backend: CudaGraphBackend, generators: Sequence[torch.Generator] = ()) -> None:
         self.backend = backend
@@ -299,12 +279,12 @@ class CudaPieces:
 
     def _begin(self) -> None:
         graph = self.backend.new_graph(self.generators)
-        self.backend.begin_capture(graph)  # abandons it if it raises
+        self.backend.begin_capture(graph, self.generators)  # abandons it if it raises
         self.open = graph
 
     def _end(self) -> None:
         graph, self.open = self.open, None
-        self.backend.end_capture(graph)  # abandons it if it raises
+        self.backend.end_capture(graph, self.generators)  # abandons it if it raises
         self.graphs.append(graph)
 
     @contextmanager
@@ -318,18 +298,26 @@ class CudaPieces:
                 yield
             except BaseException:
                 if self.open is not None:
-                    backend.abandon(self.open)
+                    backend.abandon(self.open, self.generators)
                     self.open = None
                 raise
             self._end()
         torch.cuda.synchronize(backend.device)
-        self.pool_bytes = backend._reserved() - reserved_before
+        self.pool_bytes = backend._grown(reserved_before)
 
     def split(self, run: Callable[[], Any]) -> Any:
+        """End the piece, replay it (the op reads real values), run the op, begin the next piece."""
         self._end()
+        self.graphs[-1].replay()
         result = run()
         self._begin()
         return result
 
     def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
         return [CudaPiece(graph) for graph in self.graphs]
+
+    def weak(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A non-owning view: the block goes back to the pool, which stays reserved while the view lives."""
+        view = non_owning(tensor)
+        self.backend.pool.viewed(view)
+        return view

@@ -148,6 +148,11 @@ class EmulatedPieces:
         with self.recorder.host_reads_allowed():  # the op runs eagerly between pieces
             return run()
 
+    @staticmethod
+    def weak(tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor itself: an emulated piece reads and publishes through the capture's own tensors."""
+        return tensor
+
     def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
         ops = self.recorder.ops
         segments = [ops[start:end] for start, end in zip(self.bounds, self.bounds[1:] + [len(ops)])]

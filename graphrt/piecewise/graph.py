@@ -13,8 +13,10 @@ import logging
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._pytree import tree_map
 
 from graphrt.backends import CapturedGraph, GraphBackend
+from graphrt.backends.state_journal import storage_key
 from graphrt.batch import ForwardBatch
 from graphrt.forward_context import current_batch, use_batch
 from graphrt.piecewise.ops import SplittingOps
@@ -69,7 +71,19 @@ class PieceRecorder:
             with watcher:
                 outputs = fn()
         watcher.check_all_called()
-        graph = PiecewiseGraph(sink.pieces(watcher.calls, outputs), watcher.calls, outputs, watcher.batch,
-                               sink.pool_bytes)
+        pieces = sink.pieces(watcher.calls, outputs)
+
+        def held_by_pool(leaf: Any) -> Any:
+            """What the pieces allocated, held as the backend's pool holds it (CUDA: not at all, so a
+            later key reuses the blocks and memory stays near the largest key's, as vLLM keeps weak
+            references to piecewise outputs); split-op results stay owned (no pool holds them)."""
+            if isinstance(leaf, torch.Tensor) and storage_key(leaf) in watcher.made:
+                return sink.weak(leaf)
+            return leaf
+
+        for call in watcher.calls:
+            call.args, call.kwargs = tree_map(held_by_pool, call.args), tree_map(held_by_pool, call.kwargs)
+        outputs = [held_by_pool(leaf) for leaf in outputs]
+        graph = PiecewiseGraph(pieces, watcher.calls, outputs, watcher.batch, sink.pool_bytes)
         logger.debug("captured %d pieces around %d splitting-op calls", graph.piece_count, len(watcher.calls))
         return graph

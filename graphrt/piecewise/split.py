@@ -12,7 +12,7 @@ splitting op whose output it cannot put in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphrt.backends import PieceSink
 from graphrt.backends.source_lines import model_source_line
-from graphrt.backends.state_journal import storage_key
+from graphrt.backends.state_journal import allocated_storages, storage_key
 from graphrt.forward_context import current_batch
 from graphrt.piecewise.ops import SplittingOps
 
@@ -72,6 +72,7 @@ class SplitWatcher(TorchDispatchMode):
         self.sink = sink
         self.calls: List[SplitCall] = []
         self.batch: Optional[Any] = None  # graphrt.current_batch() at the first split: what the ops read
+        self.made: Set[Tuple[torch.device, int]] = set()  # storages the pieces allocated (a graph pool's memory)
         self._seen: Dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
@@ -79,7 +80,9 @@ class SplitWatcher(TorchDispatchMode):
         self._refuse_request_reads(func, args, kwargs)
         name = self.splitting.match(func)
         if not name:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.made.update(allocated_storages(func, args, kwargs, out))
+            return out
         _refuse_unplaceable(func)
         self._seen[name] = self._seen.get(name, 0) + 1
         if self.batch is None:

@@ -162,3 +162,17 @@ def probe_memory(device: DeviceLike = None) -> MemoryInfo:
 def memory_pressure(device: DeviceLike = None) -> float:
     """Used fraction of ``device``'s memory in [0, 1], for sizing decisions that react to pressure."""
     return probe_memory(device).used_fraction
+
+
+def unreclaimable_pressure(device: DeviceLike = None) -> float:
+    """``memory_pressure`` less what PyTorch's caching allocator holds cached but unused on a CUDA device
+    (``memory_reserved - memory_allocated``): that memory is handed out again without the driver, so
+    an engine that ran a large step once is not under pressure for it."""
+    info = probe_memory(device)
+    index = _cuda_index(device)
+    cached = 0
+    if index is not None and info.source != "host" and torch.cuda.is_available():
+        cached = max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
+    if info.total_bytes <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (info.used_bytes - cached) / info.total_bytes))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from graphrt.pools.memory import memory_pressure
+from graphrt.pools.memory import unreclaimable_pressure
 from graphrt.ubatch.plan import CallInputs, UBatchSlice, _call_shape, _SizePlanner, _slice_tree
 from graphrt.ubatch.sync import (
     UBatchBarrier,
@@ -261,6 +261,10 @@ class _Throughput:
     tokens_per_s: float = 0.0
 
 
+# Calls of DynamicUBatchWrapper between two memory probes.
+PRESSURE_EVERY = 32
+
+
 class DynamicUBatchWrapper(UBatchWrapper):
     """UBatchWrapper that splits into more, smaller pieces as memory pressure rises, sized by learned throughput.
 
@@ -268,14 +272,20 @@ class DynamicUBatchWrapper(UBatchWrapper):
     growth ``g`` rises linearly from 1 at the threshold to ``max_growth`` at full memory.
     ``record_timing`` (called by whoever can time a piece, e.g. with CUDA events) builds the
     history that ``optimal_ubatch_size`` reads; the best size then caps every piece.
+
+    Pressure is read once every ``pressure_every`` calls (an NVML query costs more than a step's host
+    budget), by default without the caching allocator's cached blocks (``unreclaimable_pressure``).
     """
 
     def __init__(self, runnable: Callable[..., Any], config: UBatchConfig, memory_threshold: float = 0.8,
                  pressure_fn: Optional[Callable[[], float]] = None, max_growth: float = 4.0,
-                 min_samples: int = 3, smoothing: float = 0.2) -> None:
+                 min_samples: int = 3, smoothing: float = 0.2, pressure_every: int = PRESSURE_EVERY) -> None:
         super().__init__(runnable, config)
         if not 0.0 <= memory_threshold < 1.0:
             raise ValueError(f"memory_threshold: expected a fraction in [0, 1), got {memory_threshold}")
+        if type(pressure_every) is not int or pressure_every < 1:
+            raise ValueError(f"pressure_every: expected an int >= 1 (calls between two memory probes), got "
+                             f"{pressure_every!r}")
         if max_growth < 1.0 or min_samples < 1 or not 0.0 < smoothing <= 1.0:
             raise ValueError(f"max_growth >= 1, min_samples >= 1, smoothing in (0, 1] expected, got "
                              f"{max_growth}, {min_samples}, {smoothing}")
@@ -283,7 +293,10 @@ class DynamicUBatchWrapper(UBatchWrapper):
         self.max_growth = max_growth
         self.min_samples = min_samples
         self.smoothing = smoothing
-        self._pressure_fn = pressure_fn or memory_pressure
+        self._pressure_fn = pressure_fn or unreclaimable_pressure
+        self._pressure_every = pressure_every
+        self._calls_since_probe = pressure_every  # the first call probes
+        self._pressure = 0.0
         self._history: Dict[int, _Throughput] = {}
         self._history_lock = threading.Lock()
 
@@ -307,8 +320,13 @@ class DynamicUBatchWrapper(UBatchWrapper):
         return sizes[max(0, bisect.bisect_right(sizes, tokens) - 1)] if sizes else max(1, tokens)
 
     def _get_memory_usage(self) -> float:
-        """Current memory pressure in [0, 1] from the injected probe (default: graphrt.pools.memory.memory_pressure)."""
-        return min(1.0, max(0.0, float(self._pressure_fn())))
+        """Memory pressure in [0, 1] from the injected probe (default: graphrt.pools.memory.unreclaimable_pressure),
+        read again once every ``pressure_every`` calls."""
+        if self._calls_since_probe >= self._pressure_every:
+            self._pressure = min(1.0, max(0.0, float(self._pressure_fn())))
+            self._calls_since_probe = 0
+        self._calls_since_probe += 1
+        return self._pressure
 
     def record_timing(self, num_tokens: int, elapsed: float) -> None:
         """Add one micro-batch timing (seconds) to the throughput history of its captured size."""
