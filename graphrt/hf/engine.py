@@ -14,7 +14,7 @@ piecewise graphs split at the attention, and ``steps_per_launch`` > 1 multi-step
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -25,6 +25,7 @@ from graphrt.hf.paged_attention import (ATTENTION_NAME, PAGED_ATTENTION_OP, Page
                                         register_paged_attention)
 from graphrt.hf.serve import ServeConfig, ServeCounts, serve
 from graphrt.reference import CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs
+from graphrt.config import RunnerConfig
 from graphrt.runner import GraphRunner
 from graphrt.sizes import default_capture_sizes, default_piecewise_sizes
 
@@ -105,7 +106,7 @@ class HFEngine:
     ``generate`` serving prompts with continuous batching through that runner. Build with ``engine_model``."""
 
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
-                 kv_slots: Optional[int], backend: str) -> None:
+                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any]) -> None:
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             if type(value) is not int or value < 1:
@@ -131,6 +132,7 @@ class HFEngine:
         self.max_requests = max_requests
         self.max_step_tokens = max_step_tokens
         self.graph_backend = backend
+        self.runner_options = dict(runner_options)
         self.device = device
         self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, device),
                                 KVPool(slots, num_layers, num_kv_heads, k_dim, dtype, device, v_head_dim=v_dim))
@@ -158,13 +160,14 @@ class HFEngine:
         key = (graphs, steps_per_launch)
         runner = self._runners.get(key)
         if runner is None:
-            runner = GraphRunner(
-                self, max_batch_size=self.max_requests, capture_sizes=default_capture_sizes(self.max_requests),
+            options = dict(
+                max_batch_size=self.max_requests, capture_sizes=default_capture_sizes(self.max_requests),
                 modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED),
                 backend=self.graph_backend if graphs else "eager", device=self.device, progress=False,
                 splitting_ops=[PAGED_ATTENTION_OP], piecewise_sizes=default_piecewise_sizes(self.max_step_tokens),
                 decode_steps=(steps_per_launch,) if steps_per_launch > 1 else (),
                 **graph_runner_kwargs(self.attn_backend, self.pools))
+            runner = GraphRunner(self, RunnerConfig(**{**options, **self.runner_options}))
             with torch.no_grad():
                 report = runner.capture()
             logger.info("engine runner %s: %s", key, report)
@@ -257,13 +260,17 @@ class HFEngine:
 
 
 def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_step_tokens: int = 64,
-                 kv_slots: Optional[int] = None, backend: str = "auto") -> HFEngine:
+                 kv_slots: Optional[int] = None, backend: str = "auto", **runner_options: Any) -> HFEngine:
     """The engine of a transformers causal LM: its modules and weights, its attention replaced by graphrt's
     paged attention over a KV pool of ``kv_slots`` slots (default: every request at full context) for
     ``max_requests`` requests of up to ``max_context`` tokens, and ``max_step_tokens`` tokens per step
-    (the chunk budget of prefill). ValueError names why a model cannot be served (no modeling-backend
-    contract, layers that are not attention)."""
-    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend)
+    (the chunk budget of prefill). ``runner_options`` (RunnerConfig fields: ``capture_sizes``,
+    ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for its runners. ValueError
+    names why a model cannot be served (no modeling-backend contract, layers that are not attention)."""
+    unknown = set(runner_options) - {field.name for field in fields(RunnerConfig)}
+    if unknown:
+        raise TypeError(f"runner_options: expected RunnerConfig fields, got {sorted(unknown)}")
+    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options)
 
 
 __all__ = ["HFEngine", "engine_model", "refusal"]
