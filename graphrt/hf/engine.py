@@ -14,6 +14,7 @@ piecewise graphs split at the attention, and ``steps_per_launch`` > 1 multi-step
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -23,7 +24,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.hf.paged_attention import (ATTENTION_NAME, PAGED_ATTENTION_OP, PagedAttnBackend,
                                         register_paged_attention)
-from graphrt.hf.serve import ServeConfig, ServeCounts, serve
+from graphrt.hf.serve import ServeConfig, serve
 from graphrt.reference import CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs
 from graphrt.config import RunnerConfig
 from graphrt.runner import GraphRunner
@@ -36,27 +37,21 @@ PROBE_NAME = "graphrt_probe"  # the attention implementation that reads each lay
 
 
 class _Implementations:
-    """While entered: the model's attention implementation is graphrt's paged attention (and its MoE
-    experts, where transformers offers the choice, ``batched_mm``: no data-dependent shapes, so a
-    graph can record them); restored on exit, so the model's own ``generate()`` is unchanged."""
+    """While entered: the model's attention implementation is ``attention`` (graphrt's paged attention);
+    restored on exit, so the model's own ``generate()`` is unchanged. Its other modules (MoE experts
+    included) run as the model chose."""
 
     def __init__(self, config: Any, attention: str) -> None:
         self.config = config
         self.attention = attention
-        self.experts = hasattr(config, "_experts_implementation")
-        self._saved: Tuple[Any, Any] = (None, None)
+        self._saved: Any = None
 
     def __enter__(self) -> None:
-        config = self.config
-        self._saved = (config._attn_implementation, config._experts_implementation if self.experts else None)
-        config._attn_implementation = self.attention
-        if self.experts:
-            config._experts_implementation = "batched_mm"
+        self._saved = self.config._attn_implementation
+        self.config._attn_implementation = self.attention
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.config._attn_implementation = self._saved[0]
-        if self.experts:
-            self.config._experts_implementation = self._saved[1]
+        self.config._attn_implementation = self._saved
 
 
 class _LayerShapes:
@@ -140,7 +135,7 @@ class HFEngine:
         self._implementations = _Implementations(model.config, ATTENTION_NAME)
         self._runners: Dict[Tuple[bool, int], GraphRunner] = {}
         self._last: Optional[GraphRunner] = None
-        self._last_counts = ServeCounts()
+        self._last_counts: Dict[str, Any] = {}
         self._model_calls = 0
         logger.info("engine: %s, %d layers of %d KV heads (k %d, v %d), %d KV slots", type(model).__name__,
                     num_layers, num_kv_heads, k_dim, v_dim, slots)
@@ -192,28 +187,35 @@ class HFEngine:
         runner = self.runner(graphs, steps_per_launch)
         self._last = runner
 
+        in_runner = [0.0]
+
         def step(batch: ForwardBatch) -> Tuple[torch.Tensor, int]:
-            calls = self._model_calls
+            calls, start = self._model_calls, time.perf_counter()
             logits = runner(batch)
+            in_runner[0] += time.perf_counter() - start
             return logits, self._model_calls - calls
 
         def launch(batch: ForwardBatch, steps: int) -> Tuple[torch.Tensor, int]:
-            calls = self._model_calls
+            calls, start = self._model_calls, time.perf_counter()
             tokens = runner.decode(batch, steps)
+            in_runner[0] += time.perf_counter() - start
             return tokens, self._model_calls - calls
 
+        start = time.perf_counter()
         with torch.no_grad():
-            tokens, self._last_counts = serve(self.pools, self.attn_backend, step, launch, prompts, arrivals, config,
-                                              sampling, seed)
+            tokens, counts = serve(self.pools, self.attn_backend, step, launch, prompts, arrivals, config, sampling,
+                                   seed)
+        self._last_counts = {**asdict(counts), "seconds": time.perf_counter() - start, "runner_seconds": in_runner[0]}
         return tokens
 
     def stats(self) -> Dict[str, Any]:
         """The stats of the GraphRunner the last ``generate`` ran on (graph_runs, piecewise_runs,
         eager_reasons, ...), with ``serve``: that call's step counts (decode steps, how many replayed,
-        prefill tokens, how many in piecewise graphs)."""
+        prefill tokens, how many in piecewise graphs), its ``seconds`` and the ``runner_seconds`` spent
+        in the runner's calls (the rest is scheduling, batch building and sampling)."""
         if self._last is None:
             raise RuntimeError("stats(): no generate() call yet")
-        return {**self._last.stats(), "serve": asdict(self._last_counts)}
+        return {**self._last.stats(), "serve": dict(self._last_counts)}
 
     def _eos_ids(self, eos_token_id: Union[None, int, Sequence[int], str]) -> Tuple[int, ...]:
         if isinstance(eos_token_id, str):
