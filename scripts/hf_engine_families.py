@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_engine_helpers import ENGINE_FAMILIES, generate_alone, ragged_prompts  # noqa: E402
 from hf_helpers import tiny_model  # noqa: E402
@@ -64,7 +66,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=ENGINE_FAMILIES)
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (more than free cores spin-wait)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rows = []
     for family in args.families:

@@ -25,7 +25,8 @@ from graphrt.host.sampling import SamplingMetadata
 from graphrt.hf.paged_attention import (ATTENTION_NAME, PAGED_ATTENTION_OP, PagedAttnBackend,
                                         register_paged_attention)
 from graphrt.hf.serve import ServeConfig, serve
-from graphrt.reference import CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs
+from graphrt.reference import (CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs, make_decode_batch,
+                               make_extend_batch)
 from graphrt.config import RunnerConfig
 from graphrt.runner import GraphRunner
 from graphrt.sizes import default_capture_sizes, default_piecewise_sizes
@@ -207,6 +208,38 @@ class HFEngine:
                                    seed)
         self._last_counts = {**asdict(counts), "seconds": time.perf_counter() - start, "runner_seconds": in_runner[0]}
         return tokens
+
+    def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
+        """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
+        the last tokens in one packed prefill step (piecewise graphs), the last tokens in one decode step
+        (full graphs). For checking the engine against the model; prompts of at least 2 tokens, at most
+        ``max_requests`` of them."""
+        if not prompts or len(prompts) > self.max_requests or not all(len(prompt) >= 2 for prompt in prompts):
+            raise ValueError(f"prompts: expected 1 to {self.max_requests} prompts of at least 2 tokens each")
+        runner = self.runner(graphs)
+        pools, device = self.pools, self.device
+        context = dict(pools=pools, attn_backend=self.attn_backend)
+        heads = [list(prompt[:-1]) for prompt in prompts]
+        rows: List[int] = []
+        cached: List[int] = []  # KV slots assigned per request, released on any exit
+        try:
+            for _ in prompts:
+                rows.append(pools.req_to_token.alloc())
+                cached.append(0)
+            lengths = [len(head) for head in heads]
+            loc = pools.assign(rows, cached, lengths)
+            cached = list(lengths)
+            with torch.no_grad():
+                head_logits = runner(make_extend_batch(heads, rows, [0] * len(rows), loc, device, **context)).clone()
+                loc = pools.assign(rows, lengths, [1] * len(rows))
+                cached = [length + 1 for length in lengths]
+                last = runner(make_decode_batch([prompt[-1] for prompt in prompts], rows, cached, loc, device,
+                                                **context))
+            return [torch.cat((head, last[index: index + 1]))
+                    for index, head in enumerate(head_logits.split(lengths))]
+        finally:
+            for row, count in zip(rows, cached):
+                pools.release(row, count)
 
     def stats(self) -> Dict[str, Any]:
         """The stats of the GraphRunner the last ``generate`` ran on (graph_runs, piecewise_runs,
