@@ -83,6 +83,15 @@ def test_requests_queue_beyond_max_requests(llama, engine):
     assert engine.stats()["serve"]["max_running"] == 3
 
 
+def test_requests_wait_for_kv_slots(llama):
+    prompts = ragged_prompts([6, 5, 7], seed=8)  # need 6+3, 5+3 and 7+3 slots: two fit in 19 at once
+    small = graphrt.hf.engine_model(llama, max_requests=3, max_context=32, kv_slots=20)
+    assert small.generate(prompts, max_new_tokens=4, graphs=False) == generate_alone(llama, prompts, 4)
+    assert small.stats()["serve"]["max_running"] == 2
+    with pytest.raises(ValueError, match="kv_slots: request 0 needs 21"):
+        small.generate([list(range(3, 21))], max_new_tokens=4, graphs=False)
+
+
 def test_models_without_the_contract_or_with_other_layers_are_refused_by_name():
     import transformers
 

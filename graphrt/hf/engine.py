@@ -63,7 +63,11 @@ class _LayerShapes:
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: Any, **kwargs: Any) -> Tuple[torch.Tensor, None]:
-        self.layers[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise ValueError(f"model: its attention module {type(module).__name__} has no int layer_idx; graphrt's "
+                             "paged attention keeps each layer's keys and values by that index")
+        self.layers[layer] = (key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
         return query.new_zeros((*query.shape[:1], query.shape[2], query.shape[1], value.shape[-1])), None
 
 

@@ -5,7 +5,8 @@ a ForwardBatch with ``graphrt.reference``'s builders (``make_decode_batch`` / ``
 and hands it to the runner. Per step, at most ``max_running`` requests hold a request row; the
 running decodes come first (one token each), then the prefills take what is left of the token budget
 ``max_step_tokens`` in chunks (chunked prefill), so a step is DECODE, EXTEND or MIXED. Requests that
-have not arrived yet (``arrivals``: the step index of each) or find no free row wait in order. When
+have not arrived yet (``arrivals``: the step index of each) or find no free row, or not enough free KV
+slots for all they may still write, wait in order. When
 only decodes run and ``steps_per_launch`` > 1, one ``runner.decode`` call runs that many steps.
 """
 
@@ -57,6 +58,11 @@ class ServeConfig:
     max_new_tokens: int
     steps_per_launch: int = 1
     eos_token_ids: Tuple[int, ...] = ()
+
+    def slots_needed(self, request: Request) -> int:
+        """The most KV slots ``request`` may take: its prompt, its new tokens but the last (never fed back)
+        and the steps a launch may run past its stop."""
+        return len(request.prompt) + self.max_new_tokens - 1 + self.steps_per_launch - 1
 
 
 @dataclass
@@ -115,11 +121,15 @@ def serve(pools: CachePools, attn_backend: object, step: StepFn, launch: Optiona
     clock = 0
     try:
         while waiting or running:
-            while waiting and waiting[0].arrival <= clock and len(running) < config.max_running:
+            while (waiting and waiting[0].arrival <= clock and len(running) < config.max_running
+                   and _slots_left(pools, running, config) >= config.slots_needed(waiting[0])):
                 request = waiting.popleft()
                 request.row = pools.req_to_token.alloc()
                 running.append(request)
             if not running:  # idle until the next arrival
+                if waiting[0].arrival <= clock:
+                    raise ValueError(f"kv_slots: request {waiting[0].index} needs {config.slots_needed(waiting[0])} "
+                                     f"KV slots, the pool has {pools.kv.available} free")
                 clock = waiting[0].arrival
                 continue
             counts.max_running = max(counts.max_running, len(running))
@@ -139,6 +149,12 @@ def serve(pools: CachePools, attn_backend: object, step: StepFn, launch: Optiona
             if request.row:
                 pools.release(request.row, request.cached)
     return done, counts
+
+
+def _slots_left(pools: CachePools, running: Sequence[Request], config: ServeConfig) -> int:
+    """Free KV slots once every running request has taken all it may still need (admission waits for
+    room rather than running out of slots mid-request)."""
+    return pools.kv.available - sum(config.slots_needed(request) - request.cached for request in running)
 
 
 def _finished(request: Request, config: ServeConfig) -> bool:
