@@ -257,7 +257,8 @@ class HFEngine:
     def _eos_ids(self, eos_token_id: Union[None, int, Sequence[int], str]) -> Tuple[int, ...]:
         if isinstance(eos_token_id, str):
             if eos_token_id != "model":
-                raise ValueError(f"eos_token_id: expected None, an int, a list of ints or 'model', got {eos_token_id!r}")
+                raise ValueError(f"eos_token_id: expected None, an int, a list of ints or 'model', "
+                                 f"got {eos_token_id!r}")
             config = getattr(self.model, "generation_config", None)
             eos_token_id = getattr(config, "eos_token_id", None)
         if eos_token_id is None:
@@ -294,7 +295,8 @@ class HFEngine:
             return [0] * len(prompts)
         arrivals = list(arrivals)
         if len(arrivals) != len(prompts) or not all(type(step) is int and step >= 0 for step in arrivals):
-            raise ValueError(f"arrivals: expected one step index (int >= 0) per prompt ({len(prompts)}), got {arrivals!r}")
+            raise ValueError(f"arrivals: expected one step index (int >= 0) per prompt ({len(prompts)}), "
+                             f"got {arrivals!r}")
         return arrivals
 
 

@@ -28,7 +28,8 @@ from graphrt.reference.varlen import VarlenAttnBackend, request_layout
 ATTENTION_NAME = "graphrt_paged"  # the name the attention function is registered under
 
 
-def _softmax(scores: torch.Tensor, visible: torch.Tensor, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, visible: torch.Tensor, softcap: float,
+             sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Probabilities of float32 ``scores`` [Q, Hkv, G, L] over the ``visible`` [Q, L] keys: soft-capped
     (``softcap`` > 0: ``tanh(s / cap) * cap``, Gemma 2), with one extra logit per head that takes
     probability mass and no value (``sinks`` [H], GPT-OSS)."""
