@@ -83,6 +83,16 @@ def test_requests_queue_beyond_max_requests(llama, engine):
     assert engine.stats()["serve"]["max_running"] == 3
 
 
+def test_multi_query_attention_on_the_eager_engine_path():
+    model = tiny_model("llama", num_key_value_heads=1)  # MQA: every query head reads one KV head
+    prompts = ragged_prompts([7, 4], seed=9)
+    engine = graphrt.hf.engine_model(model, max_requests=2, max_context=32)
+    assert engine.generate(prompts, max_new_tokens=3, graphs=False) == generate_alone(model, prompts, 3)
+    with torch.no_grad():
+        for prompt, logits in zip(prompts, engine.prompt_logits(prompts, graphs=False)):
+            torch.testing.assert_close(logits, model(torch.tensor([prompt])).logits[0], rtol=1e-4, atol=1e-4)
+
+
 def test_requests_wait_for_kv_slots(llama):
     prompts = ragged_prompts([6, 5, 7], seed=8)  # need 6+3, 5+3 and 7+3 slots: two fit in 19 at once
     small = graphrt.hf.engine_model(llama, max_requests=3, max_context=32, kv_slots=20)
