@@ -1,16 +1,28 @@
 """Prompts and reference tokens for the engine-path tests: ragged token prompts, and each prompt's
-greedy tokens from the model's own ``generate()`` with that prompt alone (no padding, no batch)."""
+greedy tokens from the model's own ``generate()`` with that prompt alone (no padding, no batch); the
+``one_thread`` fixture the engine tests import."""
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
+import pytest
 import torch
 
 from hf_helpers import VOCAB
 
-ENGINE_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3-moe", "mistral-window", "gemma2", "phi3", "gpt-oss",
-                   "deepseek-v3"]
+ENGINE_FAMILIES = ["llama", "qwen2", "qwen2-sliding", "qwen3", "qwen3-moe", "mistral-window", "gemma2", "gemma3",
+                   "phi3", "gpt-oss", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread while a test module runs: the tiny models' ops are too small to split, and on a
+    shared 2-core machine a second thread spin-waits for the first (the engine tests ran 7x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def ragged_prompts(lengths: Sequence[int], seed: int = 1) -> List[List[int]]:

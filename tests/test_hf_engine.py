@@ -14,13 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_engine_helpers import generate_alone, ragged_prompts  # noqa: E402
+from hf_engine_helpers import generate_alone, one_thread, ragged_prompts  # noqa: E402,F401
 from hf_helpers import tiny_model  # noqa: E402
 
 import graphrt.hf  # noqa: E402
 from graphrt.host.sampling import SamplingMetadata  # noqa: E402
 
 NEW_TOKENS = 5
+
 
 
 @pytest.fixture(scope="module")

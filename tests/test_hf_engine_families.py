@@ -19,12 +19,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_engine_helpers import ENGINE_FAMILIES, generate_alone, ragged_prompts  # noqa: E402
+from hf_engine_helpers import ENGINE_FAMILIES, generate_alone, one_thread, ragged_prompts  # noqa: E402,F401
 from hf_helpers import tiny_model  # noqa: E402
 
 import graphrt.hf  # noqa: E402
 
 NEW_TOKENS = 4
+
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
