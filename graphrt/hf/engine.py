@@ -24,7 +24,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.hf.paged_attention import (ATTENTION_NAME, PAGED_ATTENTION_OP, PagedAttnBackend,
                                         register_paged_attention)
-from graphrt.hf.serve import ServeConfig, serve
+from graphrt.hf.serve import ServeConfig, held_rows, serve
 from graphrt.reference import (CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs, make_decode_batch,
                                make_extend_batch)
 from graphrt.config import RunnerConfig
@@ -224,26 +224,15 @@ class HFEngine:
         pools, device = self.pools, self.device
         context = dict(pools=pools, attn_backend=self.attn_backend)
         heads = [list(prompt[:-1]) for prompt in prompts]
-        rows: List[int] = []
-        cached: List[int] = []  # KV slots assigned per request, released on any exit
-        try:
-            for _ in prompts:
-                rows.append(pools.req_to_token.alloc())
-                cached.append(0)
-            lengths = [len(head) for head in heads]
+        lengths = [len(head) for head in heads]
+        with held_rows(pools, len(prompts)) as (rows, cached), torch.no_grad():
             loc = pools.assign(rows, cached, lengths)
-            cached = list(lengths)
-            with torch.no_grad():
-                head_logits = runner(make_extend_batch(heads, rows, [0] * len(rows), loc, device, **context)).clone()
-                loc = pools.assign(rows, lengths, [1] * len(rows))
-                cached = [length + 1 for length in lengths]
-                last = runner(make_decode_batch([prompt[-1] for prompt in prompts], rows, cached, loc, device,
-                                                **context))
-            return [torch.cat((head, last[index: index + 1]))
-                    for index, head in enumerate(head_logits.split(lengths))]
-        finally:
-            for row, count in zip(rows, cached):
-                pools.release(row, count)
+            cached[:] = lengths
+            head_logits = runner(make_extend_batch(heads, rows, [0] * len(rows), loc, device, **context)).clone()
+            loc = pools.assign(rows, lengths, [1] * len(rows))
+            cached[:] = [length + 1 for length in lengths]
+            last = runner(make_decode_batch([prompt[-1] for prompt in prompts], rows, cached, loc, device, **context))
+            return [torch.cat((head, last[index: index + 1])) for index, head in enumerate(head_logits.split(lengths))]
 
     def stats(self) -> Dict[str, Any]:
         """The stats of the GraphRunner the last ``generate`` ran on (graph_runs, piecewise_runs,

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -151,6 +152,22 @@ def serve(pools: CachePools, attn_backend: object, step: StepFn, launch: Optiona
     return done, counts
 
 
+@contextmanager
+def held_rows(pools: CachePools, count: int) -> Iterator[Tuple[List[int], List[int]]]:
+    """``count`` request rows of ``pools`` and, per row, how many KV slots it was assigned (the caller
+    keeps that list current); every row and its slots are released on exit, an exception included."""
+    rows: List[int] = []
+    assigned: List[int] = []
+    try:
+        while len(rows) < count:
+            rows.append(pools.req_to_token.alloc())
+            assigned.append(0)
+        yield rows, assigned
+    finally:
+        for row, slots in zip(rows, assigned):
+            pools.release(row, slots)
+
+
 def _slots_left(pools: CachePools, running: Sequence[Request], config: ServeConfig) -> int:
     """Free KV slots once every running request has taken all it may still need (admission waits for
     room rather than running out of slots mid-request)."""
@@ -231,4 +248,4 @@ def _launch(pools: CachePools, launch: LaunchFn, decodes: List[Request], config:
             request.output.append(token)
 
 
-__all__ = ["Request", "ServeConfig", "ServeCounts", "serve"]
+__all__ = ["Request", "ServeConfig", "ServeCounts", "held_rows", "serve"]
