@@ -12,4 +12,5 @@ from graphrt.hf.generate import GenerateForward, StaticCachePool, graph_generate
 from graphrt.hf.engine import HFEngine, engine_model
 from graphrt.hf.multistep import MultiStepGenerate
 
-__all__ = ["GenerateForward", "HFEngine", "MultiStepGenerate", "engine_model", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "HFEngine", "MultiStepGenerate", "StaticCachePool", "engine_model", "graph_generate",
+           "graph_safe_cache"]
