@@ -36,7 +36,7 @@ def generate_alone(model: torch.nn.Module, prompts: Sequence[Sequence[int]], new
     tokens = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([list(prompt)])
+            ids = torch.tensor([list(prompt)], device=model.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  do_sample=False, pad_token_id=0)
             tokens.append(out[0, len(prompt):].tolist())

@@ -52,3 +52,18 @@ def test_engine_tokens_equal_generate_under_continuous_batching(family):
         for prompt, served in zip(prompts, logits):
             expected_logits = model(torch.tensor([prompt])).logits[0].float()
             torch.testing.assert_close(served, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt-oss"])
+def test_engine_on_cuda_graphs_keeps_generate_tokens(family):
+    model = tiny_model(family, "cuda")
+    prompts = ragged_prompts([6, 3, 9])
+    expected = generate_alone(model, prompts, NEW_TOKENS)
+    engine = graphrt.hf.engine_model(model, max_requests=2, max_context=32, max_step_tokens=4)
+
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=[0, 0, 2]) == expected
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, steps_per_launch=2) == expected
+    stats = engine.stats()
+    assert stats["backend"] == "cuda" and stats["failed_keys"] == {}
+    assert stats["multi_step_runs"] > 0 and stats["serve"]["prefill_tokens_graphed"] > 0
