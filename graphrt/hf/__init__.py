@@ -1,12 +1,16 @@
 """Everything Hugging Face in one place: ``generate()`` replaying its forward calls (``generate``),
 several decode steps per launch (``multistep``), and the caches that replay (``window_layers``,
-``layer_kinds``, ``cross_attention``, ``cache_keyword``).
+``layer_kinds``, ``cross_attention``, ``cache_keyword``). The engine path: any decoder with
+transformers' modeling-backend contract as a GraphRunner model (``engine``, its attention
+``paged_attention``, its continuous batching ``serve``).
 
 ``import graphrt.hf`` does not import transformers: the modules that need it (``window_layers``,
 ``layer_kinds``) are imported inside the functions that use them.
 """
 
 from graphrt.hf.generate import GenerateForward, StaticCachePool, graph_generate, graph_safe_cache
+from graphrt.hf.engine import HFEngine, engine_model
 from graphrt.hf.multistep import MultiStepGenerate
 
-__all__ = ["GenerateForward", "MultiStepGenerate", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "HFEngine", "MultiStepGenerate", "StaticCachePool", "engine_model", "graph_generate",
+           "graph_safe_cache"]

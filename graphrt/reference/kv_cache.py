@@ -10,7 +10,7 @@ list and free KV slots a device tensor that is only sliced and concatenated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -62,7 +62,11 @@ class ReqToTokenPool:
 
 
 class KVPool:
-    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]; slot 0 is scratch."""
+    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]; slot 0 is scratch.
+
+    ``v_head_dim`` (default ``head_dim``) sizes the V buffers apart from the K buffers, for attention
+    whose values are narrower than its keys (DeepSeek's MLA run as per-head keys and values).
+    """
 
     def __init__(
         self,
@@ -72,14 +76,16 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: Device = "cpu",
+        v_head_dim: Optional[int] = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(f"num_slots: expected >= 2 (slot {SCRATCH_SLOT} is reserved), got {num_slots}")
         self.num_slots = num_slots
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        k_shape = (num_slots, num_kv_heads, head_dim)
+        v_shape = (num_slots, num_kv_heads, head_dim if v_head_dim is None else v_head_dim)
+        self.k_buffers = [torch.zeros(k_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(v_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free_slots = torch.arange(1, num_slots, dtype=torch.int64, device=self.device)
 
     @property

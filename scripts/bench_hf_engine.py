@@ -1,0 +1,128 @@
+"""transformers' continuous batching against graphrt's engine path, on the same prompts.
+
+    PYTHONPATH=. python scripts/bench_hf_engine.py [--family llama] [--hidden 256] [--prompts 8] [--new-tokens 32]
+
+The same model and prompts (greedy, stopping at the model's EOS) go through ``model.generate_batch`` (transformers'
+continuous batching, paged attention, with its own CUDA graphs where it has them) and through
+``graphrt.hf.engine_model(...).generate`` eagerly (``graphs=False``) and with graphs (full decode
+graphs, piecewise prefill). Each path runs once to warm up (capture included) and is then timed on a
+second run. Printed per path: whether its tokens equal ``model.generate()``'s per prompt, generated
+tokens per second, engine steps, and graphrt's own cost per step (the time of a step spent outside the
+runner: scheduling, batch building, sampling; and inside it). On CPU graphrt's graphs are the emulated
+backend, which replays the recorded ops one by one: it checks the CUDA-graph contract, it is not a
+CUDA-graph speedup, and its numbers say nothing about a GPU. ``--threads`` (default 1) sets torch's
+CPU threads: on a shared machine more threads than free cores make every op spin-wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hf_engine_helpers import generate_alone, ragged_prompts  # noqa: E402
+from hf_helpers import tiny_model  # noqa: E402
+
+import graphrt.hf  # noqa: E402
+
+Run = Callable[[], List[List[int]]]
+
+
+def timed(run: Run) -> Tuple[List[List[int]], float]:
+    """The tokens of a second run of ``run`` (the first warms up) and its seconds."""
+    run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return tokens, time.perf_counter() - start
+
+
+def generate_batch_run(model: torch.nn.Module, prompts: List[List[int]], new_tokens: int,
+                       max_requests: int) -> Optional[Run]:
+    """``model.generate_batch`` on ``prompts`` (None where this transformers has no continuous batching)."""
+    try:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+    except ImportError:
+        return None
+    eos = model.generation_config.eos_token_id
+    generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    page = "page_size" if "page_size" in {field.name for field in dataclasses.fields(ContinuousBatchingConfig)} \
+        else "block_size"  # transformers 5.17 calls it block_size
+    batching = ContinuousBatchingConfig(**{page: 16}, num_blocks=max_requests * 16, max_batch_tokens=64,
+                                        max_requests_per_batch=max_requests)
+
+    def run() -> List[List[int]]:
+        out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching,
+                                   progress_bar=False)
+        return [list(out[f"req_{index}"].generated_tokens) for index in range(len(prompts))]
+
+    return run
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Time every path on one model and print a Markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (intermediate 2x, 4 layers)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-requests", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+    model = tiny_model(args.family, args.device, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                       num_hidden_layers=4, head_dim=args.hidden // 4)
+    prompts = ragged_prompts([4 + (7 * index) % 29 for index in range(args.prompts)])
+    expected = generate_alone(model, prompts, args.new_tokens)
+    engine = graphrt.hf.engine_model(model, max_requests=args.max_requests, max_context=64, max_step_tokens=32)
+    paths: Dict[str, Optional[Run]] = {
+        "transformers generate_batch": generate_batch_run(model, prompts, args.new_tokens, args.max_requests),
+        "graphrt engine, eager": lambda: engine.generate(prompts, max_new_tokens=args.new_tokens, graphs=False),
+        "graphrt engine, graphs": lambda: engine.generate(prompts, max_new_tokens=args.new_tokens),
+    }
+    print(f"{args.family}, hidden {args.hidden}, 4 layers, {args.prompts} prompts x {args.new_tokens} new tokens, "
+          f"{args.max_requests} requests at once, device {args.device}, {torch.get_num_threads()} CPU threads, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if args.device == "cpu":
+        print("CPU: graphrt's graphs are the emulated backend (recorded ops replayed one by one, the CUDA-graph "
+              "contract checked); this is not a CUDA-graph speedup.")
+    print("| path | tokens equal generate() | tokens/s | steps | ms/step in runner | ms/step outside runner |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, run in paths.items():
+        if run is None:
+            print(f"| {name} | not available in this transformers | | | | |")
+            continue
+        try:
+            tokens, seconds = timed(run)
+        except Exception as error:  # transformers' own path may not run here (5.17 on CPU: no memory probe)
+            print(f"| {name} | failed: {type(error).__name__}: {error} | | | | |")
+            continue
+        generated = sum(len(row) for row in tokens)
+        row = [name, "yes" if tokens == expected else "**no**", f"{generated / seconds:.0f}"]
+        if name.startswith("graphrt"):
+            serve = engine.stats()["serve"]
+            steps = serve["decode_steps"] + serve["prefill_steps"]
+            outside = serve["seconds"] - serve["runner_seconds"]
+            row += [str(steps), f"{1e3 * serve['runner_seconds'] / steps:.2f}", f"{1e3 * outside / steps:.2f}"]
+        else:
+            row += ["", "", ""]
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Prompts and reference tokens for the engine-path tests: ragged token prompts, and each prompt's
+greedy tokens from the model's own ``generate()`` with that prompt alone (no padding, no batch); the
+``one_thread`` fixture the engine tests import."""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Sequence
+
+import pytest
+import torch
+
+from hf_helpers import VOCAB
+
+ENGINE_FAMILIES = ["llama", "qwen2", "qwen2-sliding", "qwen3", "qwen3-moe", "mistral-window", "gemma2", "gemma3",
+                   "phi3", "gpt-oss", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread while a test module runs: the tiny models' ops are too small to split, and on a
+    shared 2-core machine a second thread spin-waits for the first (the engine tests ran 7x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def ragged_prompts(lengths: Sequence[int], seed: int = 1) -> List[List[int]]:
+    """One prompt of random token ids (never pad 0, BOS/EOS 1 or 2) per length."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
+
+
+def generate_alone(model: torch.nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int) -> List[List[int]]:
+    """Each prompt's greedy continuation by ``model.generate()``, one prompt at a time."""
+    tokens = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)], device=model.device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
