@@ -146,3 +146,23 @@ def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():
     report = runner.capture()
     assert model.kv is kv and not torch.count_nonzero(kv)
     assert all("RebindError" in reason and "Rebinding.kv" in reason for reason in report.failed.values())
+
+
+def test_a_callable_object_holding_the_model_is_guarded_through_it():
+    """A model callable that is not a module (an engine object holding one) still has its modules watched."""
+
+    class Engine:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, input_ids, positions, forward_batch):
+            return self.model(input_ids, positions, forward_batch)
+
+    model = DropoutModel()
+    runner = captured_runner(Engine(model))
+    reference = copy.deepcopy(model)
+    model.eval()
+    reference.eval()
+    batch = decode_batch(4)
+    assert torch.equal(runner(batch), eager(reference, batch))
+    assert runner.stats()["eager_reasons"] == {"training": 1}

@@ -119,8 +119,9 @@ class StateWatch:
 
 def module_roots(*objects: Any) -> List[torch.nn.Module]:
     """The modules among ``objects`` and the modules behind them (a bound method's ``__self__``,
-    a function's closure cells and the globals its code names), each once: what a wrapped
-    function runs, so whose ``training`` flags and bindings its graphs depend on."""
+    a function's closure cells and the globals its code names, a callable object's attributes),
+    each once: what a wrapped function runs, so whose ``training`` flags and bindings its graphs
+    depend on."""
     found: List[torch.nn.Module] = []
     seen: set = set()
 
@@ -132,6 +133,10 @@ def module_roots(*objects: Any) -> List[torch.nn.Module]:
     for obj in objects:
         add(obj)
         add(getattr(obj, "__self__", None))
+        if callable(obj) and not isinstance(obj, (torch.nn.Module, type)) and hasattr(obj, "__dict__") and not (
+                hasattr(obj, "__code__") or hasattr(obj, "__func__")):  # a callable object: its modules
+            for value in vars(obj).values():
+                add(value)
         function = getattr(obj, "__func__", obj)
         for cell in getattr(function, "__closure__", None) or ():
             try:
