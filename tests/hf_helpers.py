@@ -8,9 +8,11 @@ slides while graphs replay. ``scripts/hf_families.py`` measures the README's tab
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
+
+from graphrt.hf.cache_keyword import accepted_cache_keyword
 
 VOCAB = 128
 WINDOW = 4  # sliding window of the sliding-window families
@@ -24,6 +26,8 @@ HYBRID = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_att
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.5, pad_token_id=0)
+T5GEMMA_STACK = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, initializer_range=0.5, **HYBRID)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class Family:
     fields: Dict[str, Any] = field(default_factory=dict)
     sliding: bool = False  # has sliding-window layers (window WINDOW)
     inputs: str = "tokens"  # "tokens" (input_ids + attention_mask) or "audio" (Whisper's input_features)
+    # State-space and linear-attention hybrids: the prefill sets their layers' has_previous_state flags (Python),
+    # so it runs eagerly on every call (RebindError); their decode steps replay.
+    eager_prefill: bool = False
+    # The first transformers release on which the family replays (of those the suite ran on: 5.17 and 5.24); before
+    # it, its modeling code reads a device value on the host inside the step (HostSyncError) and every step runs
+    # eagerly, with eager's tokens.
+    replays_from: Optional[str] = None
 
 
 FAMILIES: Dict[str, Family] = {
@@ -74,16 +85,39 @@ FAMILIES: Dict[str, Family] = {
     "bloom": Family("BloomConfig", "BloomForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5, bos_token_id=1,
         eos_token_id=1, pad_token_id=0)),
+    "bamba": Family("BambaConfig", "BambaForCausalLM", dict(
+        DECODER, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+        mamba_chunk_size=8), eager_prefill=True),
+    "mamba": Family("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, initializer_range=0.5, bos_token_id=1,
+        eos_token_id=1, pad_token_id=0), eager_prefill=True),
+    "qwen3-next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        DECODER, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+        eager_prefill=True),
     "t5": Family("T5Config", "T5ForConditionalGeneration", dict(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, initializer_factor=16.0,
         decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)),
     "bart": Family("BartConfig", "BartForConditionalGeneration", dict(
         SEQ2SEQ, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
-        forced_eos_token_id=None)),
+        forced_eos_token_id=None), replays_from="5.24"),
+    "t5gemma": Family("T5GemmaConfig", "T5GemmaForConditionalGeneration", dict(
+        encoder=T5GEMMA_STACK, decoder=T5GEMMA_STACK, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        decoder_start_token_id=2), True, replays_from="5.24"),
     "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", dict(
         SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=64, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None), inputs="audio"),
 }
+
+
+def replays_here(family: str) -> bool:
+    """Whether the installed transformers is one on which ``family`` replays (see ``Family.replays_from``)."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    first = FAMILIES[family].replays_from
+    return first is None or Version(__version__) >= Version(first)
 
 
 def tiny_model(family: str, device: str = "cpu", **fields: Any) -> torch.nn.Module:
@@ -122,6 +156,12 @@ def tiny_causal_lm(kind: str, device: str = "cpu") -> torch.nn.Module:
     if kind == "mistral":
         fields["sliding_window"] = None
     return tiny_model(kind, device, **fields)
+
+
+def cache_argument(model: torch.nn.Module, cache: Any) -> Dict[str, Any]:
+    """``{keyword: cache}`` under the keyword the installed transformers' model takes (``cache`` from 5.24,
+    ``past_key_values`` before), for ``model(...)`` and ``model.generate(...)`` alike."""
+    return {accepted_cache_keyword(model.forward): cache}
 
 
 def keys_at(names: Any, layout: int, batch: int) -> List[str]:

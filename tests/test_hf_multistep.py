@@ -61,3 +61,17 @@ def test_bad_arguments_name_the_argument(model):
         fast(torch.ones(8, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="steps_per_launch"):
         MultiStepGenerate(model, steps_per_launch=0)
+
+
+class CacheParamsModel(torch.nn.Module):
+    """A forward that takes its cache as ``cache_params`` (Mamba on transformers 5.17): a cache passed under
+    ``cache`` or ``past_key_values`` would land in ``**kwargs``, unread, and the tokens would be wrong."""
+
+    def forward(self, input_ids, cache_params=None, **kwargs):
+        raise AssertionError("never called: the model is refused up front")
+
+
+def test_a_model_whose_forward_takes_no_cache_keyword_is_refused_naming_the_keywords():
+    with pytest.raises(ValueError, match=r"model.forward: takes no cache keyword \(expected `cache` or "
+                                         r"`past_key_values`; it declares input_ids, cache_params, kwargs\)"):
+        MultiStepGenerate(CacheParamsModel())

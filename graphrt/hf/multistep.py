@@ -12,13 +12,14 @@ chose past the stop are dropped (the cache positions they wrote are reset by the
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.hf.cache_keyword import accepted_cache_keyword
+from graphrt.hf.cache_keyword import CACHE_KEYWORDS, accepted_cache_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,13 @@ class MultiStepGenerate:
         self.steps = steps_per_launch
         self.max_cache_len = max_cache_len
         self.caches: Dict[int, Any] = {}  # batch size -> its StaticCache
-        self.cache_keyword = accepted_cache_keyword(model.forward)
+        keyword = accepted_cache_keyword(model.forward)
+        if keyword is None:
+            declared = ", ".join(inspect.signature(model.forward).parameters)
+            raise ValueError(f"model.forward: takes no cache keyword (expected `{CACHE_KEYWORDS[0]}` or "
+                             f"`{CACHE_KEYWORDS[1]}`; it declares {declared}): a StaticCache passed to it would be "
+                             f"ignored and the tokens would be wrong")
+        self.cache_keyword = keyword
         # Every batch size a key of its own: a StaticCache is sized to its batch, so padding rows cannot share it.
         self.fast: GraphedCallable = wrap(self._launch, max_batch_size, list(range(1, max_batch_size + 1)), backend,
                                           **options)
