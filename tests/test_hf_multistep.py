@@ -1,14 +1,17 @@
 """graphrt.hf.MultiStepGenerate: greedy generation of a tiny random Llama with several decode steps per
 launch on a StaticCache gives generate()'s tokens (EOS inside a launch, every row stopping early),
-and a repeated call replays every launch."""
+and a repeated call replays every launch; so do sliding-window and chunked-attention models, whose
+step masks are built on the device. A forward that takes no cache keyword is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_helpers import family_inputs, tiny_model  # noqa: E402
 
 from graphrt.hf import MultiStepGenerate  # noqa: E402
 
@@ -75,3 +78,29 @@ def test_a_model_whose_forward_takes_no_cache_keyword_is_refused_naming_the_keyw
     with pytest.raises(ValueError, match=r"model.forward: takes no cache keyword \(expected `cache` or "
                                          r"`past_key_values`; it declares input_ids, cache_params, kwargs\)"):
         MultiStepGenerate(CacheParamsModel())
+
+
+def llama4_chunked() -> torch.nn.Module:
+    """A tiny Llama 4 text model: one chunked-attention layer (chunks of 4 tokens), one full-attention layer."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_chunk_size=4, num_local_experts=2,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 0], initializer_range=0.5,
+        pad_token_id=0, eos_token_id=None)
+    return transformers.Llama4ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3", "llama4-chunked"])
+def test_sliding_window_and_chunked_launches_replay(family):
+    """The window (4 tokens) slides and the chunks (4 tokens) turn over inside launches: the masks, computed on the
+    device from each step's positions, give generate()'s tokens, and a repeated call replays every launch."""
+    model = llama4_chunked() if family == "llama4-chunked" else tiny_model(family)
+    model.generation_config.eos_token_id = None
+    prompt = family_inputs("llama", BATCH, PROMPT, padded_rows=0)["input_ids"]
+    expected = generate(model, prompt)
+    fast = MultiStepGenerate(model, steps_per_launch=4, max_cache_len=32, max_batch_size=4)
+    assert torch.equal(fast(prompt, NEW), expected)
+    before = fast.stats()["graph_runs"]
+    assert torch.equal(fast(prompt, NEW), expected)
+    assert fast.stats()["graph_runs"] - before == -(-(NEW - 1) // 4) and not fast.stats()["failed_keys"]
