@@ -98,7 +98,10 @@ def test_sliding_window_and_chunked_launches_replay(family):
     model = llama4_chunked() if family == "llama4-chunked" else tiny_model(family)
     model.generation_config.eos_token_id = None
     prompt = family_inputs("llama", BATCH, PROMPT, padded_rows=0)["input_ids"]
-    expected = generate(model, prompt)
+    try:
+        expected = generate(model, prompt)
+    except TypeError as error:  # transformers 5.17's chunked mask takes no block_sequence_ids: eager fails too
+        pytest.skip(f"this transformers' own generate() fails on {family}: {error}")
     fast = MultiStepGenerate(model, steps_per_launch=4, max_cache_len=32, max_batch_size=4)
     assert torch.equal(fast(prompt, NEW), expected)
     before = fast.stats()["graph_runs"]
