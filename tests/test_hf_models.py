@@ -57,7 +57,8 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, wrapped: bool):
 
     fast = graphrt.wrap(step, max_batch_size=BATCH, capture_sizes=[BATCH]) if wrapped else step
     with torch.no_grad():
-        token = model(input_ids=prompt, **cache_argument(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, **cache_argument(model, cache),
+                      use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
         for position in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
             position_ids = torch.full((BATCH, 1), position, device=DEVICE)

@@ -377,7 +377,8 @@ def test_hf_model_with_a_static_cache_argument_replays_and_returns_that_cache():
             for position in range(5, 10):
                 out = fast(input_ids=token, **cache_argument(model, cache), position_ids=torch.full((2, 1), position),
                            use_cache=True)
-                assert getattr(out, accepted_cache_keyword(model.forward)) is cache, "an object passed in comes back as itself"
+                keyword = accepted_cache_keyword(model.forward)
+                assert getattr(out, keyword) is cache, "an object passed in comes back as itself"
                 token = out.logits[:, -1:].argmax(-1)
                 tokens.append(token)
         if wrapped:

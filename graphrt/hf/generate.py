@@ -34,8 +34,9 @@ STATIC_ALIASES = ("hybrid", "hybrid_chunked", "sliding_window")
 
 def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
-    which keep a Python counter, are replaced by layers whose state is on the device. With the model's
-    ``config``, a window longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
+    which keep a Python counter, are replaced by layers whose state is on the device, and beam search reorders
+    every layer's tensors in place (keys, values, linear-attention states). With the model's ``config``, a window
+    longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
     from graphrt.hf.layer_kinds import make_graph_safe
 
     return make_graph_safe(cache, config)

@@ -31,8 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 from transformers import cache_utils
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
@@ -105,7 +103,7 @@ def configured_windows(config: Any, layers: int) -> List[Optional[int]]:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        if isinstance(per_layer, dict):  # before transformers 5.18: one dict of keywords for every layer
+        if isinstance(per_layer, dict):  # transformers 5.17 and 5.18: one dict of keywords for every layer
             per_layer = [per_layer] * layers
         windows = [kwargs.get("sliding_window") for kwargs in per_layer]
     except Exception:  # another transformers version, or no config: every window is taken to slide
@@ -144,5 +142,5 @@ def make_graph_safe(cache: Any, config: Any = None) -> Any:
     return cache
 
 
-__all__ = ["GRAPH_SAFE", "LINEAR_ATTENTION", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
-           "make_graph_safe"]
+__all__ = ["GRAPH_SAFE", "LINEAR_ATTENTION", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows",
+           "layer_kinds", "make_graph_safe"]
