@@ -91,13 +91,20 @@ def llama4_chunked() -> torch.nn.Module:
     return transformers.Llama4ForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "gemma3", "llama4-chunked"])
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3", "gemma2-eager", "llama4-chunked"])
 def test_sliding_window_and_chunked_launches_replay(family):
-    """The window (4 tokens) slides and the chunks (4 tokens) turn over inside launches: the masks, computed on the
-    device from each step's positions, give generate()'s tokens, and a repeated call replays every launch."""
-    model = llama4_chunked() if family == "llama4-chunked" else tiny_model(family)
+    """The window (4 tokens) fills, then slides, and the chunks (4 tokens) turn over inside launches: the masks, computed on the
+    device from each step's positions (boolean for sdpa, additive for eager attention), give generate()'s tokens,
+    and a repeated call replays every launch."""
+    if family == "llama4-chunked":
+        model = llama4_chunked()
+    elif family == "gemma2-eager":
+        model = tiny_model("gemma2", attn_implementation="eager")
+    else:
+        model = tiny_model(family)
     model.generation_config.eos_token_id = None
-    prompt = family_inputs("llama", BATCH, PROMPT, padded_rows=0)["input_ids"]
+    # 2 prompt tokens: the first launch's steps fill the 4-token window (slots not yet written are masked)
+    prompt = family_inputs("llama", BATCH, 2, padded_rows=0)["input_ids"]
     try:
         expected = generate(model, prompt)
     except TypeError as error:  # transformers 5.17's chunked mask takes no block_sequence_ids: eager fails too

@@ -39,10 +39,9 @@ from graphrt.hf.linear_attention import linear_attention_kinds, linear_attention
 from graphrt.hf.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
 
 LINEAR_ATTENTION = linear_attention_kinds()
-# DummyLayer first appears in transformers 5.23.
-GRAPH_SAFE = (StaticLayer, CacheLongWindowLayer, SlidingRingLayer) + tuple(
-    getattr(cache_utils, name) for name in ("DummyLayer",) if hasattr(cache_utils, name))
-SUPPORTED_NAMES = ", ".join(kind.__name__ for kind in (StaticLayer, *GRAPH_SAFE[3:], *LINEAR_ATTENTION)) + \
+DUMMY = tuple(getattr(cache_utils, name) for name in ("DummyLayer",) if hasattr(cache_utils, name))  # 5.23 on
+GRAPH_SAFE = (StaticLayer, CacheLongWindowLayer, SlidingRingLayer, *DUMMY)
+SUPPORTED_NAMES = ", ".join(kind.__name__ for kind in (StaticLayer, *DUMMY, *LINEAR_ATTENTION)) + \
     ", StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"
 
 
