@@ -143,11 +143,13 @@ def tiny_model(family: str, device: str = "cpu", **fields: Any) -> torch.nn.Modu
 
 def family_inputs(family: str, batch: int, length: int = 5, seed: int = 1, padded_rows: int = 1) -> Dict[str, Any]:
     """generate()'s inputs: token prompts whose first ``padded_rows`` rows are left-padded (pad id 0,
-    masked out), an image's placeholder tokens and pixels after the padding, or Whisper's random log-mel features."""
+    masked out), an image's placeholder tokens and pixels after the padding (VLMs: no other token is the image's),
+    or Whisper's random log-mel features."""
     generator = torch.Generator().manual_seed(seed)
     if FAMILIES[family].inputs == "audio":
         return dict(input_features=torch.randn(batch, 8, 32, generator=generator))
-    ids = torch.randint(3, VOCAB - 1, (batch, length), generator=generator)
+    high = IMAGE_TOKEN if "image_token_id" in FAMILIES[family].fields else VOCAB  # text tokens only
+    ids = torch.randint(3, high, (batch, length), generator=generator)
     mask = torch.ones_like(ids)
     for row in range(min(padded_rows, batch - 1)):
         mask[row, : row + 1] = 0
