@@ -1,25 +1,58 @@
 # make test / make bench: create or reuse .venv, install what is missing, run.
+# make test also runs the Hugging Face tests on the oldest supported transformers, in a second venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphrt-installed
 # A CPU build of torch where no NVIDIA GPU is present (plain `pip install torch` pulls GBs of CUDA).
 TORCH_CPU := torch==2.13.0
+# The transformers releases the tests run on: the newest (the whole suite) and the oldest of
+# pyproject's `hf` range (the Hugging Face tests below).
+TRANSFORMERS_NEWEST ?= 5.24.0
+TRANSFORMERS_OLDEST ?= 5.17.0
+OLDEST_VENV ?= .venv-transformers-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.graphrt-installed-$(TRANSFORMERS_OLDEST)
+# The Hugging Face tests that run again on the oldest release (about a minute of CPU): the cache keyword, the
+# layer kinds and windows, hybrids, T5Gemma and "hybrid" configs, MultiStepGenerate, and one family of each kind
+# (decoder, state-space hybrid, encoder-decoder that stays eager before 5.24, VLM with an image).
+FAMILY_TEST := tests/test_hf_families.py::test_a_repeated_generate_call_replays_every_forward_call
+MULTISTEP := tests/test_hf_multistep.py
+OLDEST_TESTS ?= tests/test_hf_cache_keyword.py tests/test_hf_window_layers.py tests/test_hf_hybrids.py \
+	$(MULTISTEP)::test_sliding_window_and_chunked_launches_replay \
+	$(MULTISTEP)::test_a_model_whose_forward_takes_no_cache_keyword_is_refused_naming_the_keywords \
+	$(FAMILY_TEST)[llama] $(FAMILY_TEST)[gemma3] $(FAMILY_TEST)[bamba] $(FAMILY_TEST)[bart] $(FAMILY_TEST)[llava-image]
 
-.PHONY: test bench test-cuda clean
+.PHONY: test test-newest test-oldest-transformers bench test-cuda clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# $(call venv_with,VENV,EXTRAS,TRANSFORMERS VERSION,STAMP): create or reuse VENV, torch (CUDA build with a GPU,
+# else CPU), graphrt's EXTRAS with that transformers release.
+define venv_with
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch; \
+		$(1)/bin/python -m pip install -q torch; \
 	else \
-		$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU); \
+		$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q --no-build-isolation -e ".[dev,bench]"
-	touch $(STAMP)
+	$(1)/bin/python -m pip install -q --no-build-isolation -e ".[$(2)]" "transformers==$(3)"
+	touch $(4)
+endef
 
-test: $(STAMP)
+$(STAMP): pyproject.toml Makefile
+	$(call venv_with,$(VENV),dev$(comma)bench,$(TRANSFORMERS_NEWEST),$(STAMP))
+
+$(OLDEST_STAMP): pyproject.toml Makefile
+	$(call venv_with,$(OLDEST_VENV),dev,$(TRANSFORMERS_OLDEST),$(OLDEST_STAMP))
+
+comma := ,
+
+test: test-newest test-oldest-transformers
+
+test-newest: $(STAMP)
 	PYTHONPATH=. $(PY) -m pytest -q
+
+test-oldest-transformers: $(OLDEST_STAMP)
+	PYTHONPATH=. $(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
 
 test-cuda: $(STAMP)
 	PYTHONPATH=. $(PY) -m pytest -q -m cuda
@@ -28,4 +61,4 @@ bench: $(STAMP)
 	PYTHONPATH=. $(PY) scripts/bench.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) bench_out
+	rm -rf $(VENV) $(OLDEST_VENV) bench_out

@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from graphrt import wrap
+from graphrt.hf.cache_keyword import accepted_cache_keyword
 
 BATCH, PROMPT_LEN, STEPS = 4, 8, 24
 
@@ -22,13 +23,14 @@ BATCH, PROMPT_LEN, STEPS = 4, 8, 24
 def decode(model: LlamaForCausalLM, prompt: torch.Tensor, wrapped: bool):
     """Prefill eagerly into a fresh StaticCache, then STEPS greedy decode steps."""
     cache = StaticCache(config=model.config, max_cache_len=64)
+    with_cache = {accepted_cache_keyword(model.forward): cache}  # `cache` from transformers 5.24, `past_key_values` before
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids, cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+        return model(input_ids=input_ids, **with_cache, position_ids=position_ids, use_cache=True).logits[:, -1]
 
     fast = wrap(step, max_batch_size=BATCH, capture_sizes=[BATCH]) if wrapped else step
     with torch.no_grad():
-        token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, **with_cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
         for position in range(PROMPT_LEN, PROMPT_LEN + STEPS):
             token = fast(token, torch.full((BATCH, 1), position, device=prompt.device)).argmax(-1, keepdim=True)

@@ -239,15 +239,18 @@ def test_runner_check_finds_host_sync_and_leaking_padding():
 
 def decode_step(model, cache):
     """One greedy decode step over a StaticCache, as tests/test_hf_models.py and examples/hf_decode.py run it."""
+    from hf_helpers import cache_argument
 
     def step(input_ids, position_ids):
-        return model(input_ids=input_ids, cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+        return model(input_ids=input_ids, **cache_argument(model, cache), position_ids=position_ids,
+                     use_cache=True).logits[:, -1]
 
     return step
 
 
 def test_hugging_face_static_cache_decode_is_clean():
     pytest.importorskip("transformers")
+    from hf_helpers import cache_argument
     from test_hf_models import MAX_CACHE_LEN, PROMPT_LEN, make_prompt, tiny_causal_lm
     from transformers import StaticCache
 
@@ -256,7 +259,8 @@ def test_hugging_face_static_cache_decode_is_clean():
         cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
 
         with torch.no_grad():
-            token = model(input_ids=make_prompt(), cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(input_ids=make_prompt(), **cache_argument(model, cache),
+                          use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
         report = graphrt.check(decode_step(model, cache), token, torch.full(token.shape, PROMPT_LEN))
         assert report.ok, str(report)

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_helpers import (  # noqa: E402
-    FAMILIES, WINDOW, ForwardCalls, captured_at, failure_of, family_inputs, tiny_model,
+    FAMILIES, WINDOW, ForwardCalls, cache_argument, captured_at, failure_of, family_inputs, replays_here, tiny_model,
 )
 
 import graphrt  # noqa: E402
@@ -77,14 +77,24 @@ def twice_against_eager(family: str, inputs: Dict[str, Any], check: Callable[[An
     return fast, counter.calls - calls, fast.stats()["graph_runs"] - replays
 
 
+def eager_calls(family: str) -> int:
+    """How many forward calls of a repeated generate() call run eagerly for ``family`` (see hf_helpers.Family)."""
+    return 1 if FAMILIES[family].eager_prefill else 0
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_repeated_generate_call_replays_every_forward_call(family):
     fast, calls, replays, model = repeated_call(family)
-    assert calls >= 2 and replays == calls, (family, fast.stats()["eager_reasons"], fast.stats()["failed_keys"])
+    failed = fast.stats()["failed_keys"]
+    if not replays_here(family):  # an older transformers: its modeling code reads the host inside the step
+        assert replays == 0 and all(reason.startswith("HostSyncError") for reason in failed.values()), failed
+        return
+    assert calls >= 2 and replays == calls - eager_calls(family), (family, fast.stats()["eager_reasons"], failed)
     (cache,) = model._prepare_static_cache.caches.values()
     assert model._prepare_static_cache.reused == 1
     if FAMILIES[family].sliding:
-        windows = [layer for layer in cache.layers if layer.is_sliding]
+        layers = getattr(cache, "self_attention_cache", cache).layers
+        windows = [layer for layer in layers if layer.is_sliding]
         assert windows and all(type(layer) in (SlidingRingLayer, CacheLongWindowLayer) for layer in windows)
         if "sliding_window" in FAMILIES[family].fields:  # a window of WINDOW tokens: a ring, and it slid
             assert all(type(layer) is SlidingRingLayer for layer in windows)
@@ -131,7 +141,7 @@ def test_plain_wrap_replays_a_sliding_window_model_given_a_graph_safe_cache():
     for _ in range(2):
         cache.reset()
         replays = fast.stats()["graph_runs"]
-        assert torch.equal(generate(model, inputs, cache=cache), expected)
+        assert torch.equal(generate(model, inputs, **cache_argument(model, cache)), expected)
     assert fast.stats()["graph_runs"] - replays == NEW_TOKENS
 
 
@@ -147,11 +157,11 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
             cache = graph_safe_cache(cache)
 
         def step(input_ids, position_ids):
-            return model(input_ids=input_ids, cache=cache, position_ids=position_ids).logits[:, -1]
+            return model(input_ids=input_ids, **cache_argument(model, cache), position_ids=position_ids).logits[:, -1]
 
         fast = graphrt.wrap(step, max_batch_size=2, capture_sizes=[2]) if wrapped else step
         with torch.no_grad():
-            token = model(input_ids=prompt, cache=cache).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, **cache_argument(model, cache)).logits[:, -1:].argmax(-1)
             for position in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1):
                 token = fast(token, torch.full((2, 1), position)).argmax(-1, keepdim=True)
                 tokens.append(token)
@@ -160,17 +170,18 @@ def test_a_model_that_builds_its_sliding_mask_inside_the_step_is_refused_not_fro
     assert failure_of(fast.stats(), layout=0, batch=2).startswith("HostSyncError")
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # both fail without the in-place reorder
+@pytest.mark.parametrize("family", ["llama", "gemma3", "bamba"])  # each fails without the in-place reorder
 def test_beam_search_reorders_the_cache_in_place(family):
-    """Beam search reorders the cache between steps; transformers' reorder_cache rebinds every layer's tensors,
-    which graphs recorded before never read (the tokens differed). graph_generate's caches reorder in place."""
+    """Beam search reorders the cache between steps; transformers' reorder_cache rebinds every layer's tensors
+    (keys and values; a state-space layer's conv and recurrent states), which graphs recorded before never read
+    (the tokens differed). graph_generate's caches reorder in place."""
     def same_beams(got: Any, expected: Any) -> None:
         assert torch.equal(got.sequences, expected.sequences)
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores)
 
     _, calls, replays = twice_against_eager(family, family_inputs(family, 2, PROMPT_LEN), same_beams,
                                             num_beams=2, return_dict_in_generate=True, output_scores=True)
-    assert replays == calls
+    assert replays == calls - eager_calls(family)
 
 
 def test_a_chunked_prefill_replays_one_graph_whatever_the_window_holds():

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_helpers import VOCAB  # noqa: E402
+from hf_helpers import VOCAB, cache_argument  # noqa: E402
 from hf_helpers import tiny_causal_lm as tiny_model  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
@@ -52,12 +52,13 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, wrapped: bool):
     def step(input_ids, position_ids):
         # transformers 5.x models take no cache_position: StaticCache writes at its own counter,
         # position_ids drive RoPE / learned positions.
-        return model(input_ids=input_ids, cache=cache, position_ids=position_ids,
+        return model(input_ids=input_ids, **cache_argument(model, cache), position_ids=position_ids,
                      use_cache=True).logits[:, -1]
 
     fast = graphrt.wrap(step, max_batch_size=BATCH, capture_sizes=[BATCH]) if wrapped else step
     with torch.no_grad():
-        token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, **cache_argument(model, cache),
+                      use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
         for position in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
             position_ids = torch.full((BATCH, 1), position, device=DEVICE)

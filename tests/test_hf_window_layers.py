@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from hf_helpers import WINDOW, failure_of, tiny_model  # noqa: E402
-from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSlidingWindowLayer  # noqa: E402
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer  # noqa: E402
 
 import graphrt  # noqa: E402
 from graphrt.hf import StaticCachePool, graph_generate, graph_safe_cache  # noqa: E402
@@ -106,32 +106,41 @@ def test_a_window_that_cannot_slide_before_the_cache_is_full_is_a_static_layer()
         "without the configured window, a window as long as the cache may be longer still: a ring, which slides"
 
 
-def linear_attention_cache(*args, **kwargs) -> transformers.StaticCache:
-    """A StaticCache whose second layer is a kind graphrt does not know (linear attention)."""
+UNKNOWN_KIND = "LinearAttentionAndStaticSlidingWindowAttentionLayer"  # a Python counter, no replacement
+
+
+def config_with_an_unknown_kind() -> object:
+    """A Llama config whose second layer is a kind graphrt does not know (linear attention beside a sliding window)."""
     config = tiny_model("llama").config
-    config.layer_types = ["full_attention", "linear_attention"]
-    return transformers.StaticCache(config=config, max_cache_len=8)
+    config.layer_types = ["full_attention", "hybrid_sliding"]
+    config.sliding_window = WINDOW
+    return config
+
+
+def unknown_kind_cache(*args, **kwargs) -> transformers.StaticCache:
+    """A StaticCache whose second layer is a kind graphrt does not know."""
+    return transformers.StaticCache(config=config_with_an_unknown_kind(), max_cache_len=8)
 
 
 def test_an_unknown_layer_kind_is_named_and_its_caches_are_not_reused():
-    kinds = layer_kinds(linear_attention_cache())
-    assert kinds.unsupported == {"LinearAttentionLayer": ["1"]}
+    kinds = layer_kinds(unknown_kind_cache())
+    assert kinds.unsupported == {UNKNOWN_KIND: ["1"]}
     assert "not a kind graphrt knows to replay" in kinds.describe()
-    pool = StaticCachePool(linear_attention_cache)
+    pool = StaticCachePool(unknown_kind_cache)
     request = dict(cache_implementation="static", batch_size=2, max_cache_len=8, prefill_chunk_size=None,
                    model_kwargs={})
     assert pool(**request) is not pool(**request) and pool.reused == 0
-    assert isinstance(pool(**request).layers[1], LinearAttentionLayer)
+    assert type(pool(**request).layers[1]).__name__ == UNKNOWN_KIND
 
 
 def test_graph_generate_names_unknown_layer_kinds_once_up_front(caplog):
     model = tiny_model("llama")
-    model.config.layer_types = ["full_attention", "linear_attention"]
+    model.config = config_with_an_unknown_kind()
     with caplog.at_level(logging.WARNING, logger="graphrt.hf"):
         graph_generate(model, max_batch_size=4)
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1 and "LlamaForCausalLM's cache has layers graphrt cannot graph" in warnings[0]
-    assert "LinearAttentionLayer (layers 1)" in warnings[0]
+    assert f"{UNKNOWN_KIND} (layers 1)" in warnings[0]
 
 
 def test_a_replacement_that_stops_matching_transformers_is_not_used(monkeypatch, caplog):

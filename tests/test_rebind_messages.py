@@ -31,12 +31,12 @@ def test_a_rebound_attribute_names_its_class_and_the_generic_advice():
 
 def test_a_hugging_face_cache_layer_is_named_with_graph_generate_and_graph_safe_cache():
     transformers = pytest.importorskip("transformers")
-    from hf_helpers import tiny_model
+    from hf_helpers import cache_argument, tiny_model
 
     model = tiny_model("llama")
 
     def step(ids, cache):
-        return model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=ids, **cache_argument(model, cache), use_cache=True).logits[:, -1]
 
     cache = transformers.DynamicCache(config=model.config)
     fast = wrap(step, max_batch_size=2, capture_sizes=[2], backend="emulated")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import ToyPagedModel, decode_batch
+from hf_helpers import cache_argument
 
 from graphrt import ForwardMode, GraphRunner, wrap
 from graphrt.hf.cache_keyword import accepted_cache_keyword
@@ -342,7 +343,7 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
     model = tiny_llama()
 
     def step(ids, cache):
-        return model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=ids, **cache_argument(model, cache), use_cache=True).logits[:, -1]
 
     generator = torch.Generator().manual_seed(13)
     prompt = torch.randint(0, 64, (2, 5), generator=generator)
@@ -351,7 +352,7 @@ def test_a_dynamic_cache_argument_is_refused_and_left_as_eager_leaves_it():
         cache = transformers.DynamicCache(config=model.config)
         fast = wrap(step, max_batch_size=2, capture_sizes=[2], backend="emulated") if wrapped else step
         with torch.no_grad():
-            token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, **cache_argument(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
             for _ in range(4):
                 token = fast(token, cache).argmax(-1, keepdim=True)
                 tokens.append(token)
@@ -372,11 +373,12 @@ def test_hf_model_with_a_static_cache_argument_replays_and_returns_that_cache():
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
         fast = wrap(model, max_batch_size=2, capture_sizes=[2], backend="emulated") if wrapped else model
         with torch.no_grad():
-            token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=prompt, **cache_argument(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
             for position in range(5, 10):
-                out = fast(input_ids=token, cache=cache, position_ids=torch.full((2, 1), position),
+                out = fast(input_ids=token, **cache_argument(model, cache), position_ids=torch.full((2, 1), position),
                            use_cache=True)
-                assert out.cache is cache, "an object passed in comes back as itself"
+                keyword = accepted_cache_keyword(model.forward)
+                assert getattr(out, keyword) is cache, "an object passed in comes back as itself"
                 token = out.logits[:, -1:].argmax(-1)
                 tokens.append(token)
         if wrapped:

@@ -15,8 +15,9 @@ def passed_cache_keyword(kwargs: Mapping[str, Any]) -> Optional[str]:
     return next((name for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
 
 
-def accepted_cache_keyword(forward: Callable[..., Any]) -> str:
-    """The cache keyword ``forward`` declares (``cache`` on transformers >= 5.24); ``past_key_values``
-    when it declares neither (it then takes it through ``**kwargs``, as older models did)."""
+def accepted_cache_keyword(forward: Callable[..., Any]) -> Optional[str]:
+    """The cache keyword ``forward`` declares (``cache`` on transformers >= 5.24, ``past_key_values`` before), or
+    None when it declares neither: a cache passed to it would land in ``**kwargs``, unread (Mamba's forward takes
+    ``cache_params`` on transformers 5.17)."""
     parameters = inspect.signature(forward).parameters
-    return next((name for name in CACHE_KEYWORDS if name in parameters), CACHE_KEYWORDS[-1])
+    return next((name for name in CACHE_KEYWORDS if name in parameters), None)

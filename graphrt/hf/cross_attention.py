@@ -13,6 +13,12 @@ same self- and cross-attention caches) whose ``is_updated`` says "not yet" for e
 drops the model's writes. The filling step is called with the view in place of the cache, a
 layout of its own, recorded and replayed like any other; the caller then marks the real cache
 updated, as the step would have, and hands the real cache back in the output.
+
+Some models bind a new cross-attention cache on every ``generate()`` call (T5Gemma's
+``_prepare_cache_for_generation``, to make it full-attention where the decoder config slides): the
+view, and the graphs, keep the first one, which the pooled cache's ``reset()`` zeroed. The filling
+step puts that one back on the cache, so the cache, the view and the graphs read the same tensors
+(a new one would never be reset, and would not be the graphs').
 """
 
 from __future__ import annotations
@@ -42,6 +48,18 @@ def needs_fill(cache: Any) -> bool:
     return isinstance(updated, dict) and not all(updated.values())
 
 
+def rebind_cross_attention(cache: Any, view: Any) -> None:
+    """Put the view's cross-attention cache back on ``cache`` where the model bound a new, unused one of the same
+    class in its place (T5Gemma, on every generate() call)."""
+    first, bound = getattr(view, "cross_attention_cache", None), getattr(cache, "cross_attention_cache", None)
+    if bound is first or type(bound) is not type(first):
+        return
+    if any(getattr(layer, "is_initialized", False) for layer in getattr(bound, "layers", ())):
+        raise ValueError("cache.cross_attention_cache: a new cross-attention cache already holds keys and values; "
+                         "graph_generate() replays the one of the cache's first call")
+    cache.cross_attention_cache = first
+
+
 class CrossAttentionFills:
     """One filling view per encoder-decoder cache (held as long as the cache lives)."""
 
@@ -55,6 +73,8 @@ class CrossAttentionFills:
             view = copy.copy(cache)  # shares the self- and cross-attention caches
             view.is_updated = PendingForEveryLayer()
             self.views[cache] = view
+        else:
+            rebind_cross_attention(cache, view)
         return view
 
     @staticmethod
@@ -64,4 +84,4 @@ class CrossAttentionFills:
             cache.is_updated[layer] = True
 
 
-__all__ = ["CrossAttentionFills", "PendingForEveryLayer", "needs_fill"]
+__all__ = ["CrossAttentionFills", "PendingForEveryLayer", "needs_fill", "rebind_cross_attention"]

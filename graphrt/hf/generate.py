@@ -27,12 +27,16 @@ logger = logging.getLogger(__name__)
 
 MAX_POOLED_CACHES = 4  # StaticCaches kept for reuse; the least recently used is let go past it
 PROBE_CACHE_LENGTH = 8  # the length of the StaticCache built up front to list the model's layer kinds
+# Generation-config cache implementations that name a static cache of the config's own layer layout (Gemma 2/3
+# checkpoints ship "hybrid"; transformers 5.x no longer knows them and falls back to a DynamicCache): made "static".
+STATIC_ALIASES = ("hybrid", "hybrid_chunked", "sliding_window")
 
 
 def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     """Make a transformers StaticCache (or EncoderDecoderCache) graph-safe in place: its sliding-window layers,
-    which keep a Python counter, are replaced by layers whose state is on the device. With the model's
-    ``config``, a window longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
+    which keep a Python counter, are replaced by layers whose state is on the device, and beam search reorders
+    every layer's tensors in place (keys, values, linear-attention states). With the model's ``config``, a window
+    longer than the cache becomes a plain static layer (no gather per step). Returns ``cache``."""
     from graphrt.hf.layer_kinds import make_graph_safe
 
     return make_graph_safe(cache, config)
@@ -127,7 +131,8 @@ def graph_generate(
 ) -> GraphedCallable:
     """Make ``model.generate()`` replay its forward calls: wrap ``model.forward``, default the
     generation config to a static cache (and to no auto-compile), and reuse that cache, made
-    graph-safe, across ``generate()`` calls. Returns the GraphedCallable (its ``stats()``)."""
+    graph-safe, across ``generate()`` calls. A configured ``"hybrid"`` or ``"sliding_window"`` cache (a static
+    cache of the config's layer layout) becomes ``"static"`` too. Returns the GraphedCallable (its ``stats()``)."""
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
@@ -139,7 +144,11 @@ def graph_generate(
     model.forward = GenerateForward(fast)
     config = getattr(model, "generation_config", None)
     if config is not None:
-        if getattr(config, "cache_implementation", None) is None:
+        implementation = getattr(config, "cache_implementation", None)
+        if implementation is None or implementation in STATIC_ALIASES:
+            if implementation is not None:
+                logger.info("graph_generate(): cache_implementation=%r is a static cache of the config's layer "
+                            "layout: generate() gets \"static\"", implementation)
             config.cache_implementation = "static"
         # On a GPU, generate() would torch.compile the model call around the graphed forward.
         config.disable_compile = True

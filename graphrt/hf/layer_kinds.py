@@ -5,14 +5,20 @@ state in tensors written in place. The kinds graphrt knows, by exact class (a su
 anything):
 
 * ``StaticLayer``: the count and the keys/values are tensors written in place; replays as is.
-* ``DummyLayer``: holds nothing (shared-KV and attention-free layers).
+* ``DummyLayer`` (transformers >= 5.23): holds nothing (shared-KV and attention-free layers).
+* ``LinearAttentionLayer`` and ``LinearAttentionAndStaticFullAttentionLayer`` (state-space and
+  linear-attention hybrids): fixed-size conv and recurrent states written in place
+  (graphrt.hf.linear_attention), unless they record past states.
 * ``StaticSlidingWindowLayer``: keeps a Python int it branches on; replaced by
   ``CacheLongWindowLayer`` or ``SlidingRingLayer`` (graphrt.hf.window_layers), as long as
   those replacements answer like transformers' layer on a scripted sequence in this process.
 
-A graph-safe cache also reorders beams in place: transformers' ``reorder_cache`` (beam search, between
-steps) rebinds every layer's keys and values to new tensors, which a graph recorded before would never
-read again.
+A graph-safe cache also reorders beams in place (graphrt.hf.beam_reorder): transformers' ``reorder_cache``
+(beam search, between steps) rebinds every layer's tensors to new ones, which a graph recorded before
+would never read again.
+
+The classes are looked up by name in the installed transformers (feature detection: a release that
+lacks one has no layer of that kind to graph).
 
 Any other kind is named in graph_generate()'s warning. Its steps are recorded as they are (a
 step that changes its Python state fails capture, naming the layer's class, and runs eagerly),
@@ -22,18 +28,21 @@ back could send a reused cache's first steps down another path than the one reco
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
+from transformers import cache_utils
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
-
+from graphrt.hf.beam_reorder import InPlaceBeamReorder
+from graphrt.hf.linear_attention import linear_attention_kinds, linear_attention_unsafe
 from graphrt.hf.window_layers import CacheLongWindowLayer, SlidingRingLayer, cache_long_mismatch, ring_mismatch
 
-GRAPH_SAFE = (StaticLayer, DummyLayer, CacheLongWindowLayer, SlidingRingLayer)
-SUPPORTED_NAMES = "StaticLayer, DummyLayer, StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"
+LINEAR_ATTENTION = linear_attention_kinds()
+DUMMY = tuple(getattr(cache_utils, name) for name in ("DummyLayer",) if hasattr(cache_utils, name))  # 5.23 on
+GRAPH_SAFE = (StaticLayer, CacheLongWindowLayer, SlidingRingLayer, *DUMMY)
+SUPPORTED_NAMES = ", ".join(kind.__name__ for kind in (StaticLayer, *DUMMY, *LINEAR_ATTENTION)) + \
+    ", StaticSlidingWindowLayer (replaced by a graph-safe sliding-window layer)"
 
 
 @dataclass
@@ -77,6 +86,8 @@ def layer_kinds(cache: Any) -> LayerKinds:
             mismatch = window_mismatch()
             if mismatch is not None:
                 reason = f"its behaviour here differs from graphrt's graph-safe replacement ({mismatch})"
+        elif kind in LINEAR_ATTENTION:
+            reason = linear_attention_unsafe(layer)
         elif kind not in GRAPH_SAFE:
             reason = f"not a kind graphrt knows to replay (it knows {SUPPORTED_NAMES})"
         if reason is not None:
@@ -91,27 +102,12 @@ def configured_windows(config: Any, layers: int) -> List[Optional[int]]:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        if isinstance(per_layer, dict):  # transformers 5.17 and 5.18: one dict of keywords for every layer
+            per_layer = [per_layer] * layers
         windows = [kwargs.get("sliding_window") for kwargs in per_layer]
     except Exception:  # another transformers version, or no config: every window is taken to slide
         return [None] * layers
     return windows if len(windows) == layers else [None] * layers
-
-
-class InPlaceBeamReorder:
-    """``cache.reorder_cache`` of a graph-safe cache: every layer's keys and values reordered along the batch
-    in place, so the tensors graphs read stay the cache's (holds the cache weakly: no reference cycle)."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = weakref.ref(cache)
-
-    def __call__(self, beam_idx: torch.Tensor) -> None:
-        cache = self.cache()
-        for _, layer in cache_layers(cache):
-            if getattr(layer, "keys", None) is None:  # not initialized yet, or a DummyLayer
-                continue
-            index = beam_idx.to(layer.keys.device)
-            layer.keys.copy_(layer.keys.index_select(0, index))
-            layer.values.copy_(layer.values.index_select(0, index))
 
 
 def make_graph_safe(cache: Any, config: Any = None) -> Any:
@@ -125,7 +121,7 @@ def make_graph_safe(cache: Any, config: Any = None) -> Any:
     SlidingRingLayer, which also slides past the cache's length as transformers' layer does.
     """
     if callable(getattr(cache, "reorder_cache", None)):
-        cache.reorder_cache = InPlaceBeamReorder(cache)
+        cache.reorder_cache = InPlaceBeamReorder(cache, cache_layers)
     if window_mismatch() is not None:
         return cache  # graph_generate() warned; the layers stay transformers' (their capture fails, named)
     owner = getattr(cache, "self_attention_cache", cache)
@@ -145,5 +141,5 @@ def make_graph_safe(cache: Any, config: Any = None) -> Any:
     return cache
 
 
-__all__ = ["GRAPH_SAFE", "InPlaceBeamReorder", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows", "layer_kinds",
-           "make_graph_safe"]
+__all__ = ["GRAPH_SAFE", "LINEAR_ATTENTION", "LayerKinds", "SUPPORTED_NAMES", "cache_layers", "configured_windows",
+           "layer_kinds", "make_graph_safe"]

@@ -12,13 +12,14 @@ chose past the stop are dropped (the cache positions they wrote are reset by the
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from graphrt.graphed_callable import GraphedCallable, wrap
-from graphrt.hf.cache_keyword import accepted_cache_keyword
+from graphrt.hf.cache_keyword import CACHE_KEYWORDS, accepted_cache_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ class MultiStepGenerate:
     and a ``StaticCache``): the prompt prefilled eagerly, then launches of ``steps_per_launch``
     greedy decode steps, each one replay once recorded. One ``StaticCache`` of ``max_cache_len``
     per batch size, reset in place by each call, so later calls replay from their first launch.
-    Prompts of one length, unpadded (no ``attention_mask``). ``options``: ``wrap()``'s."""
+    Prompts of one length, unpadded (no ``attention_mask``). With sliding-window layers, each step's
+    mask is built on the device from its positions (graphrt.hf.step_masks), so those launches replay
+    too. ``options``: ``wrap()``'s."""
 
     def __init__(self, model: Any, steps_per_launch: int = 4, max_cache_len: int = 256, max_batch_size: int = 8,
                  backend: str = "auto", **options: Any) -> None:
@@ -38,7 +41,14 @@ class MultiStepGenerate:
         self.steps = steps_per_launch
         self.max_cache_len = max_cache_len
         self.caches: Dict[int, Any] = {}  # batch size -> its StaticCache
-        self.cache_keyword = accepted_cache_keyword(model.forward)
+        self.masks: Dict[int, Any] = {}  # batch size -> its steps' DecodeMasks (None: the model's own), on the device
+        keyword = accepted_cache_keyword(model.forward)
+        if keyword is None:
+            declared = ", ".join(inspect.signature(model.forward).parameters)
+            raise ValueError(f"model.forward: takes no cache keyword (expected `{CACHE_KEYWORDS[0]}` or "
+                             f"`{CACHE_KEYWORDS[1]}`; it declares {declared}): a StaticCache passed to it would be "
+                             f"ignored and the tokens would be wrong")
+        self.cache_keyword = keyword
         # Every batch size a key of its own: a StaticCache is sized to its batch, so padding rows cannot share it.
         self.fast: GraphedCallable = wrap(self._launch, max_batch_size, list(range(1, max_batch_size + 1)), backend,
                                           **options)
@@ -46,9 +56,12 @@ class MultiStepGenerate:
     def _launch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """``steps`` greedy decode steps from ``input_ids`` [B, 1] at ``position_ids`` [B, 1]: their tokens [B, steps]."""
         ids, chosen = input_ids, []
+        masks = self.masks[input_ids.shape[0]]
         for step in range(self.steps):
-            logits = self.model(input_ids=ids, position_ids=position_ids + step, use_cache=True,
-                                **{self.cache_keyword: cache}).logits[:, -1]
+            positions = position_ids + step
+            mask = {} if masks is None else {"attention_mask": masks(positions)}  # no host read of the ring's offset
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                                **{self.cache_keyword: cache}, **mask).logits[:, -1]
             ids = logits.argmax(-1, keepdim=True)
             chosen.append(ids)
         return torch.cat(chosen, dim=1)
@@ -60,9 +73,11 @@ class MultiStepGenerate:
             from transformers import StaticCache
 
             from graphrt.hf.layer_kinds import make_graph_safe  # sliding windows: their state on the device
+            from graphrt.hf.step_masks import DecodeMasks
 
             cache = self.caches[batch_size] = make_graph_safe(
                 StaticCache(config=self.model.config, max_cache_len=self.max_cache_len), self.model.config)
+            self.masks[batch_size] = DecodeMasks.for_cache(cache, self.model.config, self.model.dtype)
         else:
             cache.reset()  # zeroes keys, values and lengths in place: the graphs' tensors stay
         return cache
