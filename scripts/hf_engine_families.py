@@ -1,4 +1,4 @@
-"""The README's engine-path table: Hugging Face families served by ``graphrt.hf.engine_model``.
+"""The engine-path table of docs/MANUAL.md: Hugging Face families served by ``graphrt.hf.engine_model``.
 
     PYTHONPATH=. python scripts/hf_engine_families.py [--new-tokens 8] [family ...]
 

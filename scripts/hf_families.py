@@ -1,4 +1,4 @@
-"""The README's table of Hugging Face families: the share of forward calls replayed on a repeated generate() call.
+"""The table of Hugging Face families in docs/MANUAL.md: the share of forward calls replayed on a repeated generate() call.
 
     PYTHONPATH=. python scripts/hf_families.py [--new-tokens 16] [family ...]
 

@@ -2,7 +2,7 @@
 
 ``FAMILIES`` names a tiny config per model family (2 layers, hidden 32, vocab 128); sliding-window
 families get a window of ``WINDOW`` tokens, shorter than prompt + new tokens, so the window really
-slides while graphs replay. ``scripts/hf_families.py`` measures the README's table on the same models.
+slides while graphs replay. ``scripts/hf_families.py`` measures docs/MANUAL.md's table on the same models.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def refusal(model: Any) -> Optional[str]:
     if other:
         return (f"{name} has layers of type {', '.join(other)}: only {' and '.join(ATTENTION_LAYER_TYPES)} layers "
                 "can keep their state in graphrt's paged KV pool")
-    if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA: run as per-head keys and values (see README)
+    if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA: run as per-head keys and values (docs/MANUAL.md)
         logger.info("%s: multi-head latent attention runs as per-head keys and values in the KV pool", name)
     return None
 
