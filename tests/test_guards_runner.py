@@ -57,9 +57,21 @@ def test_a_step_under_autocast_runs_eagerly_with_its_reason():
         assert torch.equal(runner(batch), eager(reference, batch)) and runner.stats()["graph_runs"] == 1
 
 
-def test_eval_after_a_train_capture_runs_eagerly_until_recapture():
+class Engine:
+    """A model callable that is not a module: an engine object holding the model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, positions, forward_batch):
+        return self.model(input_ids, positions, forward_batch)
+
+
+@pytest.mark.parametrize("holder", [lambda model: model, Engine], ids=["module", "callable object"])
+def test_eval_after_a_train_capture_runs_eagerly_until_recapture(holder):
+    """A callable object holding the model has the model's flags watched as the model's own are."""
     model = DropoutModel()
-    runner = captured_runner(model)
+    runner = captured_runner(holder(model))
     reference = copy.deepcopy(model)
     model.eval()
     reference.eval()
@@ -147,22 +159,3 @@ def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():
     assert model.kv is kv and not torch.count_nonzero(kv)
     assert all("RebindError" in reason and "Rebinding.kv" in reason for reason in report.failed.values())
 
-
-def test_a_callable_object_holding_the_model_is_guarded_through_it():
-    """A model callable that is not a module (an engine object holding one) still has its modules watched."""
-
-    class Engine:
-        def __init__(self, model):
-            self.model = model
-
-        def __call__(self, input_ids, positions, forward_batch):
-            return self.model(input_ids, positions, forward_batch)
-
-    model = DropoutModel()
-    runner = captured_runner(Engine(model))
-    reference = copy.deepcopy(model)
-    model.eval()
-    reference.eval()
-    batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch))
-    assert runner.stats()["eager_reasons"] == {"training": 1}
