@@ -262,3 +262,27 @@ def test_a_module_passed_as_an_argument_has_its_training_flag_watched():
         model.eval()
         assert all(torch.equal(fast(x, model), model(x)) for _ in range(3))
     assert fast.stats()["graph_runs"] >= 1
+
+
+def test_the_guards_counters_cost_torch_compile_no_recompile():
+    """A forward that builds a ModuleList (transformers slices ``self.layers[:n]``) fires torch's
+    module registration hooks; the guards' counter must neither count it nor be traced (a global
+    torch.compile reads is guarded on: bumping it recompiled every call)."""
+    from torch._dynamo.testing import CompileCounter
+
+    layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    fast = wrap(layers[0], max_batch_size=2, capture_sizes=[2])  # guards installed, a module watched
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        calls(fast, x)
+
+        def forward(x):
+            for layer in layers[:2]:
+                x = layer(x)
+            return x
+
+        counter = CompileCounter()
+        compiled = torch.compile(forward, backend=counter)
+        for _ in range(4):
+            assert torch.equal(compiled(x), forward(x))
+    assert counter.frame_count == 1

@@ -15,24 +15,31 @@ containers (a cache's ``layers`` list, a layer's ``keys``) are compared on every
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-# Registrations of parameters, buffers and submodules made in this process since graphrt started counting.
+# Registrations of parameters, buffers and submodules into the modules some graph reads through
+# (``WATCHED``), made in this process since graphrt started counting.
 REGISTRATIONS = [0]
+WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 MAX_DEPTH = 4  # containers followed below an object argument, as RebindGuard
 _MISSING = object()
 _installed: List[Any] = []
 
 
 def count_registrations() -> None:
-    """Bump ``REGISTRATIONS`` on every parameter, buffer and submodule (re)binding (idempotent)."""
+    """Bump ``REGISTRATIONS`` on every parameter, buffer and submodule (re)bound into a watched
+    module (idempotent). Modules a forward builds and fills (a ``ModuleList`` slice) are not
+    watched, so they cost one set lookup; code torch.compile traces counts nothing (a global it
+    reads would be guarded on, and bumping it would recompile every call)."""
     if _installed:
         return
 
-    def bump(*_: Any) -> None:
-        REGISTRATIONS[0] += 1
+    def bump(module: torch.nn.Module, *_: Any) -> None:
+        if not torch.compiler.is_compiling() and module in WATCHED:
+            REGISTRATIONS[0] += 1
 
     hooks = torch.nn.modules.module
     _installed.extend([hooks.register_module_parameter_registration_hook(bump),
@@ -139,6 +146,7 @@ class _Finder:
             for name, child in table.items():
                 if child is not None and self.visit(child, f"{path}.{name}", 0):
                     self.registered.append(Link(table, name, child, f"{path}.{name}"))
+                    WATCHED.add(module)
                     found = True
         for name, child in vars(module).items():  # plain attributes: tensors and containers of them
             if not name.startswith("_") and isinstance(child, (torch.Tensor, list, tuple, dict)) and (
