@@ -91,10 +91,6 @@ class Bindings:
         """The addresses of the memory of the tensors these paths reach."""
         return {pointer for _, pointer in self._storages}
 
-    @property
-    def paths(self) -> List[str]:
-        return [link.path for link in (*self.registered, *self.plain) if isinstance(link.expected, torch.Tensor)]
-
 
 def _bound(link: Link) -> Any:
     container = link.container
