@@ -75,12 +75,10 @@ class Dispatcher:
             decision = self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
         guard = decision.entry.guard if decision.reason is None else None
         if guard is not None:
-            failure = guard.failure(self.watch.token(), decision.entry.stager.sources, batch)
+            failure = guard.failure(self.watch.token(), decision.entry.stager.sources, batch, self.debug)
             if failure is not None:
                 self.on_guard_failure(failure)
                 return Decision(decision.entry, EagerReason(failure.reason))
-            if self.debug:
-                guard.check_storage()
         return decision
 
 

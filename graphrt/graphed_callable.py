@@ -141,7 +141,6 @@ class GraphedCallable:
             max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
         self._watch = StateWatch(module_roots(fn))
-        self._module_roots = [(type(root).__name__, root) for root in self._watch.roots]
         self._lock = threading.Lock()
 
     # ---- layouts ----------------------------------------------------------------------------------
@@ -198,7 +197,7 @@ class GraphedCallable:
 
         entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects), stager=stager,
                            count=self._stats.record_graph,
-                           guard_spec=GuardSpec(self._watch, [*self._module_roots, *objects]))
+                           guard_spec=GuardSpec.of(self._watch, objects))
         return entry
 
     @staticmethod
@@ -281,11 +280,9 @@ class GraphedCallable:
         """Replay ``entry`` for this call if its guard holds (graphrt.guards), else run eagerly."""
         guard = entry.guard
         if guard is not None:
-            failure = guard.failure(state, entry.stager.sources, leaves)
+            failure = guard.failure(state, entry.stager.sources, leaves, self.debug)
             if failure is not None:
                 return self._guard_failed(failure, layout, batch_size, args, kwargs)
-            if self.debug:
-                guard.check_storage()
         if not self._grad_warned and torch.is_grad_enabled():
             self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)

@@ -194,7 +194,7 @@ class GraphRegistry:
         if entry.guard_spec is not None:  # the graph's own memory: its static slots and its outputs
             own: List[Any] = list(graph.outputs)
             flatten(entry.static_inputs, own)
-            entry.guard = KeyGuard.capture(entry.guard_spec, set(touched), {memory for _, memory in written},
+            entry.guard = KeyGuard.capture(entry.guard_spec, touched, {memory for _, memory in written},
                                            bool(entry.written_inputs),
                                            {memory_of(leaf) for leaf in own if isinstance(leaf, torch.Tensor)})
         entry.cuts.clear()

@@ -94,7 +94,7 @@ class GraphRunner:
         self._ubatch = self._make_ubatch()
         self.piecewise = self._add_piecewise_keys()
         self._watch = StateWatch(module_roots(model))
-        self._guard_spec = GuardSpec(self._watch, [(type(root).__name__, root) for root in self._watch.roots])
+        self._guard_spec = GuardSpec.of(self._watch)
         self._guard_entries()
         self._guard_warned: Set[str] = set()
         self.dispatcher = Dispatcher(self.registry, self.context, graphs_enabled=self.backend_name != "eager",

@@ -50,6 +50,12 @@ class GuardSpec:
     def __post_init__(self) -> None:
         count_registrations()
 
+    @classmethod
+    def of(cls, watch: StateWatch, objects: Sequence[Tuple[str, Any]] = ()) -> "GuardSpec":
+        """The spec of a front whose step reads ``objects`` (named by their argument paths, first) and
+        runs ``watch``'s modules (named by class)."""
+        return cls(watch, [*objects, *((type(root).__name__, root) for root in watch.roots)])
+
 
 def memory_of(tensor: torch.Tensor) -> int:
     """The address of a tensor's allocation (its storage): views of one allocation share it."""
@@ -82,16 +88,21 @@ class KeyGuard:
         return cls(spec.watch, spec.watch.token(), bindings, state_memory, bool(written_state) or writes_inputs,
                    writes_inputs)
 
-    def failure(self, state: Any, sources: Sources, call: Any) -> Optional[GuardFailure]:
+    def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
         """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
-        staged tensors are ``sources(call)`` (read only when the step writes memory); else why not."""
+        staged tensors are ``sources(call)`` (read only when the step writes memory); else why not.
+        ``check_storage`` (debug mode): raise StaleStateError for a tensor whose memory was swapped."""
         if state is not self.state and state != self.state:
             return GuardFailure(*self.watch.difference(self.state, state))
         path = self.bindings.rebound()
         if path is not None:
             return GuardFailure("rebound_state", f"{path} is bound to another object than at capture")
         if self.check_aliases:
-            return self._aliased(sources(call))
+            failure = self._aliased(sources(call))
+            if failure is not None:
+                return failure
+        if check_storage:
+            self.check_storage()
         return None
 
     def _aliased(self, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[GuardFailure]:
