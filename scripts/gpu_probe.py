@@ -416,9 +416,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}), flush=True)
     names = [args.probe] if args.probe else list(PROBES)
-    results = [run_probe(name) if args.probe else run_isolated(name) for name in names]
-    for result in results:
-        print(json.dumps(result, default=str), flush=True)
+    results = []
+    for name in names:  # each line as soon as its probe ends: a session cut short keeps the lines before
+        results.append(run_probe(name) if args.probe else run_isolated(name))
+        print(json.dumps(results[-1], default=str), flush=True)
     return 0 if all(result.get("agrees") for result in results) else 1
 
 

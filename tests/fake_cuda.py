@@ -372,6 +372,7 @@ class FakeCuda:
             "is_current_stream_capturing": self.is_current_stream_capturing, "empty_cache": self.empty_cache,
             "memory_reserved": self.memory_reserved, "memory_allocated": self.memory_allocated,
             "memory_stats": self.memory_stats, "get_device_capability": lambda device=None: self.device_capability,
+            "get_device_name": lambda device=None: "a Hopper faked on the CPU (tests/fake_cuda.py)",
         }
 
 
