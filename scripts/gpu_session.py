@@ -48,7 +48,8 @@ HF = ["tests/test_cuda_hf.py", ENGINE_FAMILIES_TEST]
 REST_ORDER = ["tests/test_runner.py", "tests/test_wrap_capture.py", "tests/test_piecewise.py", "tests/test_check.py",
               "tests/test_reliability.py", "tests/test_multistep_reference.py", "tests/test_reference_model.py",
               "tests/test_sizes_autotune.py", "tests/test_ubatch_sync.py", "tests/test_bench.py"]
-ALREADY_RUN = FIXES + [path.split("::")[0] for path in HF] + ["tests/test_gpu_probe.py"]  # its cuda test reruns the probes
+# tests/test_gpu_probe.py's cuda test reruns the probes: left out
+ALREADY_RUN = FIXES + [path.split("::")[0] for path in HF] + ["tests/test_gpu_probe.py"]
 RESULT_WORDS = (" passed", " failed", " error", "no tests ran", " skipped", " deselected")
 VERSIONS = """
 import json, subprocess, sys, torch
@@ -60,7 +61,8 @@ def get(read):
 info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
         "gpu": get(torch.cuda.get_device_name), "capability": get(torch.cuda.get_device_capability),
         "memory_gib": get(lambda: round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)),
-        "nccl": get(lambda: torch.cuda.nccl.version()), "transformers": get(lambda: __import__("transformers").__version__)}
+        "nccl": get(lambda: torch.cuda.nccl.version()),
+        "transformers": get(lambda: __import__("transformers").__version__)}
 print(json.dumps(info, default=str))
 print(get(lambda: subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"],
                                  capture_output=True, text=True, timeout=20).stdout.strip()))
@@ -146,8 +148,9 @@ def step_summary(step: Step, text: str) -> str:
                                 + (f" ({record['error']})" if record.get("error") else ""))
     tail = [line for line in lines if line.startswith("=") and any(word in line for word in RESULT_WORDS)][-1:]
     if not tail and any("::" in line for line in lines):  # cut before pytest's last line: count its test lines
-        counts = {word: sum(f" {word.upper()}" in line for line in lines if "::" in line) for word in ("passed",
-                                                                                                      "failed", "skipped", "error")}
+        tests = [line for line in lines if "::" in line]
+        counts = {word: sum(f" {word.upper()}" in line for line in tests) for word in ("passed", "failed", "skipped",
+                                                                                       "error")}
         tail = [", ".join(f"{count} {word}" for word, count in counts.items() if count) + " (before the cut)"]
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     return "\n".join(verdicts + [f"  {line}" for line in failed + tail])

@@ -5,7 +5,7 @@
 # sessions that follow up on one step (docs/BENCHMARKS.md has the plan):
 #
 #   scripts/gpu_suite.sh probe   # does this torch behave as the CUDA backend assumes? (gpu_probe.py)
-#   scripts/gpu_suite.sh core    # the CUDA backend's cuda-marked tests (first-run items, pools, capture memory, predictions)
+#   scripts/gpu_suite.sh core    # the CUDA backend's cuda-marked tests (first-run items, pools, memory, predictions)
 #   scripts/gpu_suite.sh pools   # graph-pool life over many steps (gpu_checks.py, a process per check)
 #   scripts/gpu_suite.sh rest    # every other cuda-marked test but NCCL's
 #   scripts/gpu_suite.sh nccl    # lockstep on a 1-rank NCCL group (docs/DISTRIBUTED.md)
@@ -21,8 +21,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 STEP_LIMIT=540
-CORE_TESTS=(tests/test_cuda_first_run.py tests/test_cuda_pool.py tests/test_capture_memory.py tests/test_cuda_predictions.py
-            tests/test_gpu_probe.py)
+CORE_TESTS=(tests/test_cuda_first_run.py tests/test_cuda_pool.py tests/test_capture_memory.py
+            tests/test_cuda_predictions.py tests/test_gpu_probe.py)
 NCCL_TEST=tests/test_lockstep_agreement.py::test_one_rank_nccl_group_captures_the_models_all_reduce_in_the_graph
 
 machine() {
