@@ -103,6 +103,16 @@ def empty_cache_before_capture() -> None:
     torch.cuda.empty_cache()
 
 
+def capture_ended(graph: "torch.cuda.CUDAGraph") -> bool:
+    """Whether ``graph``'s capture ended (``capture_ended_``, set even when instantiating it then failed):
+    ``CUDAGraph.pool()`` refuses a graph whose capture did not."""
+    try:
+        graph.pool()
+        return True
+    except RuntimeError:
+        return False
+
+
 def stream_capturing() -> Optional[bool]:
     """Whether the current stream captures, its capture invalidated or not (None: torch cannot say)."""
     try:
@@ -257,8 +267,9 @@ class CudaGraphBackend:
             self.pool.abandon()
             self._end_generator_capture(generators)
         clear_cublas_workspaces()
+        unreleased = began and not capture_ended(graph)  # reset() gives back only an ended capture's reference
         graph.reset()
-        if began and not clean:
+        if unreleased:
             self._release_pool()
         try:
             torch.cuda.synchronize(self.device)
