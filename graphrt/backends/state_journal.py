@@ -78,9 +78,12 @@ def written_tensors(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> I
 def allocated_storages(
     func: Any, args: Sequence[Any], kwargs: Dict[str, Any], output: Any
 ) -> Iterator[Tuple[torch.device, int]]:
-    """Storages the op allocated: outputs that are neither views nor in-place results of an input."""
-    if all(result.alias_info is not None for result in func._schema.returns):
-        return  # views and in-place results share an input's memory
+    """Storages the op allocated: outputs that are neither views nor in-place results of an input.
+    An op whose schema says its result *may* alias its input (``to``, ``reshape``, ``contiguous``,
+    which run as such under ``inference_mode``) allocated memory when its result is not in an
+    input's storage: a step that writes that copy in place writes a temporary, not state."""
+    if all(result.alias_info is not None and result.alias_info.is_write for result in func._schema.returns):
+        return  # in-place and out= results are an input's memory
     inputs = {storage_key(arg) for arg in tree_leaves((args, kwargs)) if isinstance(arg, torch.Tensor)}
     for result in tree_leaves(output):
         if isinstance(result, torch.Tensor) and result.numel() and storage_key(result) not in inputs:
