@@ -143,6 +143,27 @@ class GraphedCallable:
         self._watch = StateWatch(module_roots(fn))
         self._lock = threading.Lock()
 
+    # ---- the wrapped object's attributes ------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper lacks is ``fn``'s (``fast.compute_logits(...)`` of a wrapped
+        module, a wrapped bound method's ``__self__``), as torch.compile's OptimizedModule passes
+        attribute access to its module. Only called when normal lookup fails: no per-call cost."""
+        try:
+            fn = self.__dict__["fn"]
+        except KeyError:  # during __init__, or an unpickled shell
+            raise AttributeError(name) from None
+        return getattr(fn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Once built, setting an attribute the wrapper does not have sets it on a wrapped module
+        (``fast.k_cache = ...`` as on the module itself), as OptimizedModule does."""
+        if (isinstance(self.__dict__.get("fn"), torch.nn.Module) and "_lock" in self.__dict__
+                and name not in self.__dict__ and not hasattr(type(self), name)):
+            setattr(self.fn, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
     # ---- layouts ----------------------------------------------------------------------------------
 
     @property
@@ -155,7 +176,9 @@ class GraphedCallable:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
         # Modules passed as arguments run in the step: their training flags are part of the call's state.
-        self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
+        translate = self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
+        if translate is not None:
+            self._restate(translate)
         capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
         registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:
@@ -163,6 +186,17 @@ class GraphedCallable:
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
                               lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
         return LayoutGraphs(registry, capture)
+
+    def _restate(self, translate: Callable[[Any], Any]) -> None:
+        """The state watch took in a module in training mode: the states layouts and captured keys
+        were opened under, re-expressed in the new terms, so each still serves its calls."""
+        self.layouts.restate(translate)
+        for layout in self.layouts.layouts.values():
+            if layout.graphs is None:
+                continue  # the layout being opened: its graphs are made after this
+            for entry in layout.graphs.registry.entries.values():
+                if entry.guard is not None:
+                    entry.guard.state = translate(entry.guard.state)
 
     def _capture_for(self, device: torch.device) -> Optional[KeyCapture]:
         """The capture of layouts whose tensors live on ``device``: with ``backend="auto"`` CUDA
@@ -264,11 +298,11 @@ class GraphedCallable:
             if layout.signature.tentative and padded is not None and batch_size != padded:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
             elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
                 # Another size padded to a key whose capture failed: a key of its own, warmed up first.
                 entry = self._exact_size_entry(layout, batch_size)
-                return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(reason, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
@@ -287,7 +321,7 @@ class GraphedCallable:
             self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
-    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, state: Any, batch_size: int,
+    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
                            leaves: List[Any], args: tuple, kwargs: dict) -> Any:
         """A size's first calls are its warm-up, run eagerly as the real step; the next records
         on its staged inputs (the recording's writes undone) and replays once for its output."""
@@ -313,7 +347,8 @@ class GraphedCallable:
         decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
-        return self._replay(entry, state, layout, batch_size, leaves, args, kwargs)
+        # Read again: the call that opened its layout may have taken a module argument into the watch.
+        return self._replay(entry, self._watch.token(), layout, batch_size, leaves, args, kwargs)
 
     def _guard_failed(self, failure: GuardFailure, layout: Layout[LayoutGraphs], batch_size: int, args: tuple,
                       kwargs: dict) -> Any:
