@@ -42,6 +42,17 @@ def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     return make_graph_safe(cache, config)
 
 
+def decode_masks(model: Any, cache: Any) -> Callable[[Any], Any]:
+    """For a decode loop of your own over a graph-safe ``cache``: ``masks(position_ids)`` (``[batch, 1]``)
+    is the attention mask of a one-token step, built on the device, to pass as ``attention_mask``. The
+    model then builds no mask inside the step, where a sliding-window layer would read the cache's
+    length on the host (a host sync, which fails the capture). None where the model's own needs no such read."""
+    from graphrt.hf.step_masks import DecodeMasks
+
+    masks = DecodeMasks.for_cache(cache, model.config, model.dtype)
+    return masks if masks is not None else (lambda position_ids: None)
+
+
 class GenerateForward:
     """``model.forward`` under graph_generate(): the wrapped forward, with an encoder-decoder cache's
     filling step (cross-attention keys and values still to compute) called through that cache's
@@ -188,4 +199,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["GenerateForward", "PassedCaches", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "PassedCaches", "StaticCachePool", "decode_masks", "graph_generate", "graph_safe_cache"]

@@ -151,7 +151,11 @@ class LayoutTable(Generic[Graphs]):
         self._buckets.setdefault(bucket_key, []).append(layout)
         self._unrecorded[family] = self._unrecorded.get(family, 0) + 1
         self._current = layout
-        layout.graphs = self._make_graphs(signature)  # held first: making them may restate every layout
+        try:
+            layout.graphs = self._make_graphs(signature)  # held first: making them may restate every layout
+        except BaseException:  # a bad option for this layout (a pad value its tensor cannot hold)
+            self._remove(layout)
+            raise
         return layout
 
     def restate(self, translate: Callable[[Hashable], Hashable]) -> None:
@@ -172,6 +176,11 @@ class LayoutTable(Generic[Graphs]):
         """Forget the least recently used layout and its graphs (max_signatures reached)."""
         logger.info("wrap(): %d layouts hold graphs (max_signatures): dropping layout %d, least recently used",
                     len(self.layouts), layout.number)
+        self._remove(layout)
+        self._drop_graphs(layout.graphs)
+        self.dropped += 1
+
+    def _remove(self, layout: Layout[Graphs]) -> None:
         del self.layouts[layout.number]
         bucket = self._buckets[layout.bucket]
         bucket.remove(layout)
@@ -181,8 +190,6 @@ class LayoutTable(Generic[Graphs]):
             del self._unrecorded[layout.family]  # a family with no layout held starts afresh
         if self._current is layout:
             self._current = None
-        self._drop_graphs(layout.graphs)
-        self.dropped += 1
 
     def recorded(self, layout: Layout[Graphs]) -> None:
         """A graph of ``layout`` was recorded: its family is not churning."""
