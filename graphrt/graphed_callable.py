@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
 )
-from graphrt.backends.compiled import is_compiled
+from graphrt.backends.compiled import eager_stance, is_compiled
 from graphrt.backends.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
 from graphrt.batch import ForwardMode, debug_enabled
@@ -371,11 +371,12 @@ class GraphedCallable:
                  kwargs: dict) -> Any:
         """A warm-up: ``fn`` on the call, eagerly, noting the tensors it reads from outside its
         arguments (graphrt.backends.outside_reads), which the next recording compares with its own.
-        A compiled ``fn`` runs without the note: under a dispatch mode Dynamo would skip it for good."""
+        A compiled ``fn`` runs without the note (it compiles here, with no dispatch mode active); a
+        compiled part of ``fn`` runs its eager code under the note, which Dynamo would skip for good."""
         if is_compiled(self.fn):
             return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
         reads = OutsideReads({storage_key(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.numel()})
-        with reads:
+        with eager_stance(), reads:
             outputs = self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
         layout.graphs.outside_reads = reads.reads
         return outputs
