@@ -11,32 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from client_helpers import RMSNorm as InPlaceRMSNorm  # nano-vllm's: in place into the float copy, residual fused
 from conftest import decode_batch
 
 from graphrt import GraphRunner, wrap
 from graphrt.backends.state_journal import StateJournal
 
 HIDDEN = 16
-
-
-class InPlaceRMSNorm(torch.nn.Module):
-    """RMSNorm as nano-vllm writes it: in-place into the float copy (and the residual add fused in)."""
-
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.rand(hidden) + 0.5)
-
-    def forward(self, x, residual=None):
-        dtype = x.dtype
-        if residual is None:
-            x = x.float()
-            x.mul_(torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps))
-            return x.to(dtype).mul_(self.weight)
-        x = x.float().add_(residual.float())
-        residual = x.to(dtype)
-        x.mul_(torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps))
-        return x.to(dtype).mul_(self.weight), residual
 
 
 class NormBlock(torch.nn.Module):
@@ -52,6 +33,8 @@ class NormBlock(torch.nn.Module):
         self.norm = InPlaceRMSNorm(HIDDEN)
         self.final = InPlaceRMSNorm(HIDDEN)
         self.llama_norm = LlamaRMSNorm(HIDDEN)
+        for norm in (self.norm, self.final, self.llama_norm):
+            norm.weight.data.uniform_(0.5, 1.5)
 
     def forward(self, hidden):
         h, residual = self.norm(self.linear(hidden), hidden)
