@@ -263,10 +263,10 @@ class StateJournal(TorchDispatchMode):
             raise CaptureMemoryError(
                 f"{func}{f' at {where}' if where else ''} writes a {list(target.shape)} "
                 f"{str(target.dtype).removeprefix('torch.')} tensor ({size / 2**20:.1f} MiB) in a way capture cannot "
-                f"narrow to rows, and undoing it would copy more than {self.budget / 2**20:.0f} MiB; if its writes "
-                "land only in rows no request owns (a KV cache written at out_cache_loc), pass it as scratch state "
-                "(GraphRunner(..., scratch_state=[tensor]), or keep it in batch_context's token_to_kv_pool), or write "
-                "it with index_copy_/index_put_")
+                f"narrow to rows, and undoing it would copy more than {self.budget / 2**20:.0f} MiB; write it with "
+                "index_copy_/index_put_ (undone row by row), or, with GraphRunner, whose capture stages pad values, "
+                "if its writes land only in rows the staged indices address (a KV cache written at out_cache_loc), "
+                "pass it as scratch state (scratch_state=[tensor], or keep it in batch_context's token_to_kv_pool)")
         self._whole_views.add(key)
         self._whole_bytes += size
         return True
