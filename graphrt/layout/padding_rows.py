@@ -8,10 +8,11 @@ static slots, both under one StateJournal (every write undone), and compares wha
 the state (memory that existed before, outside the step's own argument slots and the caller's
 declared scratch):
 
-* where they wrote: the positions of every region the padded step wrote (the indexed rows of an
-  ``index_put_``/``index_copy_``/``scatter_``, the view a ``copy_`` or ``add_`` filled, the whole
-  tensor of an opaque op) must be among those the real step wrote; a padding row that writes
-  another row is found whatever values it writes;
+* where they wrote: the rows of every region the padded step wrote (the index values of an
+  ``index_put_``/``index_copy_``/``scatter_`` into a view, or the view a ``copy_``, an ``add_`` or an
+  opaque op wrote whole) must be among those the real step wrote into the same view; a padding row
+  that writes another row is found whatever values it writes (a view written in another form than
+  the real step's counts as other rows: exact sizes, the safe side);
 * what they left: the values of every region either wrote, after each step, must agree (within
   rounding: the two sizes may take other kernels). This finds padding rows writing the real rows'
   positions (a duplicate index) and state reduced over the batch.
@@ -36,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from graphrt.backends.compiled import eager_stance
 from graphrt.backends.source_lines import SourceLine
 from graphrt.backends.state_journal import (
-    StateJournal, WrittenRegion, allocated_storages, storage_key, written_tensors,
+    StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
 )
 from graphrt.capture import WHOLE_SAVE_BUDGET, rounding_tolerance
 from graphrt.layout.rebind_guard import RebindGuard
@@ -127,32 +128,29 @@ class ArgumentTaint(TorchDispatchMode):
 _INDEX_NAMES = ("index", "indices")  # the schema arguments that address an indexed write
 
 
-def _mark(region: WrittenRegion, mask: torch.Tensor) -> None:
-    """Set in ``mask`` (a bool tensor over the region's storage) the positions the region covers."""
+def _positions(region: WrittenRegion) -> Tuple[Any, FrozenSet[Any]]:
+    """Where a region was written, as (what it indexes, which of its rows): the view and the index
+    values of an indexed writer (negative ones as the rows they stand for), else the view, whole.
+    Memory in proportion to the rows written, never to the tensor written into."""
     target = region.target
-    view = mask.as_strided(target.shape, target.stride(), target.storage_offset())
+    view = view_key(target)
+    if region.write is _aten.index_copy_.default:
+        return (view, "dim", region.where[1]), frozenset(region.where[2].tolist())
     if region.write is _aten.index_put_.default:
-        view.index_put_(region.where[1], torch.ones((), dtype=torch.bool, device=mask.device))
-    elif region.write is _aten.index_copy_.default:
-        view.index_fill_(region.where[1], region.where[2], True)
-    elif region.write is _aten.scatter_.src:
-        view.scatter_(region.where[1], region.where[2], True)
-    else:  # a whole view (copy_, an in-place op on a view, an opaque op)
-        view.fill_(True)
-
-
-def _masks(regions: Sequence[WrittenRegion]) -> Dict[Tuple[Storage, int], torch.Tensor]:
-    """Per storage (and element size), the positions the regions wrote."""
-    masks: Dict[Tuple[Storage, int], torch.Tensor] = {}
-    for region in regions:
-        target = region.target
-        key = (storage_key(target), target.element_size())
-        mask = masks.get(key)
-        if mask is None:
-            length = target.untyped_storage().nbytes() // target.element_size()
-            mask = masks[key] = torch.zeros(length, dtype=torch.bool, device=target.device)
-        _mark(region, mask)
-    return masks
+        indices = region.where[1]
+        dims = [(dim, index) for dim, index in enumerate(indices) if index is not None]
+        if not dims:
+            return (view, "whole"), frozenset([()])
+        rows = [(index.nonzero().flatten() if index.dtype == torch.bool else index) % target.shape[dim]
+                for dim, index in dims]
+        stacked = torch.stack([row.flatten() for row in torch.broadcast_tensors(*rows)], dim=1)
+        return (view, "index", tuple(index is None for index in indices)), frozenset(map(tuple, stacked.tolist()))
+    if region.write is _aten.scatter_.src:
+        dim, index = region.where[1], region.where[2]
+        coordinates = list(torch.meshgrid(*(torch.arange(size) for size in index.shape), indexing="ij"))
+        coordinates[dim] = index.cpu()
+        return (view, "element"), frozenset(map(tuple, torch.stack([c.flatten() for c in coordinates], 1).tolist()))
+    return (view, "whole"), frozenset([()])  # a whole view (copy_, an in-place op on a view, an opaque op)
 
 
 def _differs(padded: torch.Tensor, real: torch.Tensor) -> int:
@@ -210,19 +208,17 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
 
 def _outside(padded_regions: List[WrittenRegion], real_regions: List[WrittenRegion]
              ) -> Optional[Tuple[WrittenRegion, int]]:
-    """The first region of the padded step that covers positions the real step did not write."""
-    if not padded_regions:
-        return None
-    real_masks = _masks(real_regions)
-    padded_masks = _masks(padded_regions)
-    extra = {key: mask & ~real_masks[key] if key in real_masks else mask for key, mask in padded_masks.items()}
+    """The first region of the padded step that covers rows (or views) the real step did not write."""
+    written: Dict[Any, Set[Any]] = {}
+    for region in real_regions:
+        key, rows = _positions(region)
+        written.setdefault(key, set()).update(rows)
     for region in padded_regions:
-        target = region.target
-        mask = extra[(storage_key(target), target.element_size())]
-        own = _masks([region])[(storage_key(target), target.element_size())]
-        count = int((own & mask).sum())
-        if count:
-            return region, count
+        key, rows = _positions(region)
+        extra = rows - written.get(key, set())
+        if extra:
+            per_row = region.target.numel() if key[1] == "whole" else max(region.current().numel() // len(rows), 1)
+            return region, len(extra) * per_row
     return None
 
 
