@@ -73,12 +73,12 @@ def fix_for(write: PaddingWrite) -> str:
     if not write.arguments:
         return "capture exactly the batch sizes you run (capture_sizes=[...]): no argument's pad value decides it"
     argument = write.arguments[0]
-    scratch = (f"wrap(..., pad_values={{'{argument}': R}}, scratch_state=[the {write.target} tensor]) with R a row no "
-               "request owns (an extra row of the cache)")
-    if write.op.startswith("aten."):  # index_put_ takes -1 as the last row, index_copy_ refuses it
-        return f"give the padding rows of {argument} a row no request owns: {scratch}"
-    return (f"wrap(..., pad_values={{'{argument}': -1}}) if {write.op} skips negative slots (as vLLM's and "
-            f"nano-vllm's store kernels do), else {scratch}")
+    scratch = (f"a row no request owns: wrap(..., pad_values={{'{argument}': R}}, scratch_state=[the {write.target} "
+               "tensor]), R an extra row of that tensor")
+    if write.op.startswith("aten."):  # index_copy_ refuses -1, index_put_ takes it as the last row
+        return f"pad {argument} with {scratch} (aten ops do not skip -1)"
+    return (f"pad {argument} with -1 if {write.op} skips negative slots, as vLLM's and nano-vllm's store kernels do: "
+            f"wrap(..., pad_values={{'{argument}': -1}}); else with {scratch}")
 
 
 class ArgumentTaint(TorchDispatchMode):
