@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from graphrt.backends.compiled import eager_stance
 from graphrt.backends.source_lines import SourceLine
@@ -90,8 +91,7 @@ class ArgumentTaint(TorchDispatchMode):
     def __init__(self, sources: Mapping[Storage, str]) -> None:
         super().__init__()
         self.sources = sources
-        self._taint: Dict[int, FrozenSet[str]] = {}  # id(tensor) of the step's own tensors -> arguments
-        self._keep: List[torch.Tensor] = []  # keeps those ids unique while the step runs
+        self._taint = WeakIdKeyDictionary()  # the step's own tensors -> arguments (keeps none alive)
         self._fresh: Set[Storage] = set()
         self.writes: List[Tuple[Storage, str, FrozenSet[str], FrozenSet[str]]] = []
 
@@ -99,7 +99,7 @@ class ArgumentTaint(TorchDispatchMode):
         found: Set[str] = set()
         for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
-                found |= self._taint.get(id(leaf), frozenset())
+                found |= self._taint.get(leaf, frozenset())
                 source = self.sources.get(storage_key(leaf)) if leaf.numel() else None
                 if source is not None:
                     found.add(source)
@@ -120,8 +120,7 @@ class ArgumentTaint(TorchDispatchMode):
         if taint:
             for leaf in tree_leaves(output):
                 if isinstance(leaf, torch.Tensor):
-                    self._taint[id(leaf)] = taint
-                    self._keep.append(leaf)
+                    self._taint[leaf] = taint
         return output
 
 
