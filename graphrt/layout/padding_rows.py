@@ -246,8 +246,11 @@ def _arguments_of(taint: ArgumentTaint, region: WrittenRegion) -> Tuple[FrozenSe
     return frozenset(), frozenset()
 
 
+Refusal = Tuple[Optional[str], Optional[Exception]]  # why padding is refused (None: it is not), and the error
+
+
 def padding_refusal(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
-                    scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Tuple[Optional[str], Optional[Exception]]:
+                    scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Refusal:
     """For wrap(): why calls padded from ``real`` to ``padded`` rows must not share one graph, or None
     when they may (``signature_padding_write``), and the error when the step cannot run at both sizes
     (state sized to the batch, such as a StaticCache, or a write too large to copy)."""
