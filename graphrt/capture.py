@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -166,10 +167,12 @@ class KeyCapture:
                                              _output_bytes(entry)))
         return report
 
-    def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "") -> bool:
+    def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "",
+                      watch: Optional[AbstractContextManager] = None) -> bool:
         """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
         write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
-        the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY."""
+        the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY.
+        ``watch``: a context the warm-ups run in, whose exit may refuse the key (raise)."""
         step = recorded_step(entry)
         record: Optional[Record] = None
         if entry.record is not None:
@@ -179,7 +182,8 @@ class KeyCapture:
         try:
             if self.compiled:
                 compile_warmup(self.backend, step, journal)
-            graph = capture_graph(self.backend, step, warmup_iters, record, journal, capture_path=not self.compiled)
+            graph = capture_graph(self.backend, step, warmup_iters, record, journal, watch,
+                                  capture_path=not self.compiled)
             check_devices(entry, graph, self.backend.graph_device)
         except Exception as caught:  # a failed capture disables only this key
             error = caught
@@ -281,12 +285,14 @@ def compile_warmup(backend: GraphBackend, fn: Callable[[], Any], journal: StateJ
 
 
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
-                  journal: Optional[StateJournal] = None, capture_path: bool = False) -> CapturedGraph:
+                  journal: Optional[StateJournal] = None, watch: Optional[AbstractContextManager] = None,
+                  capture_path: bool = False) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The
     generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
-    ``journal``: the StateJournal to use, for a caller that reads what the step wrote. ``capture_path``:
+    ``journal``: the StateJournal to use, for a caller that reads what the step wrote; ``watch``:
+    a context the warm-ups also run in (whose exit may raise, refusing the key). ``capture_path``:
     the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
     step, whose compiled code must not see a patched flag)."""
     record = backend.capture if record is None else record
@@ -295,7 +301,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     with torch.no_grad():
         try:
             with journal, eager_stance():
-                with backend.warmup_context(capture_path):
+                with backend.warmup_context(capture_path), watch if watch is not None else nullcontext():
                     for _ in range(warmup_iters):
                         fn()
                         journal.put_back()  # each run starts from the state as it was (a cache's length)

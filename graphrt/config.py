@@ -39,7 +39,8 @@ class RunnerConfig:
     only when the attention backend lists the mode in ``graph_modes``.
     ``batch_context``: the objects every batch shares (``attn_backend``, ``req_to_token_pool``,
     ``token_to_kv_pool``); the graphs are bound to them.
-    ``pad_values``: the fill of padding rows per staged field (seq_lens >= 1).
+    ``pad_values``: the fill of padding rows per staged field (seq_lens >= 1; ``out_cache_loc`` -1 for a
+    KV store that skips it, as vLLM's ``reshape_and_cache`` and nano-vllm's store kernel do).
     ``process_group``: run every step in lockstep with the other ranks (docs/DISTRIBUTED.md).
     ``cpu_group``: the gloo group of the same ranks the lockstep agreements run on (default: the
     process group if it is gloo, else one created at construction).
@@ -207,8 +208,9 @@ class RunnerConfig:
         for name, value in self.pad_values.items():
             if name not in DEFAULT_PAD_VALUES:
                 raise ValueError(f"pad_values: expected keys among {sorted(DEFAULT_PAD_VALUES)}, got {name!r}")
-            if type(value) is not int or (name == "seq_lens" and value < 1) or value < 0:
-                raise ValueError(f"pad_values[{name!r}]: expected a non-negative int (seq_lens >= 1), got {value!r}")
+            if type(value) is not int or (name == "seq_lens" and value < 1):
+                raise ValueError(f"pad_values[{name!r}]: expected an int (seq_lens >= 1; a negative slot or request "
+                                 f"index for kernels that skip it), got {value!r}")
         return self.pad_values
 
     @property

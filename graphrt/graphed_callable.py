@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -38,13 +38,16 @@ from torch.utils._pytree import tree_leaves
 from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device, step_lock,
 )
-from graphrt.backends.compiled import is_compiled
+from graphrt.backends.compiled import eager_stance, is_compiled
+from graphrt.backends.outside_reads import OutsideReads, refuse_changed_reads
+from graphrt.backends.state_journal import storage_key
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
+from graphrt.layout.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -67,6 +70,8 @@ class LayoutGraphs:
     warm_calls: Dict[GraphKey, int] = field(default_factory=dict)
     autograd: Optional[bool] = None
     off_reason: EagerReason = EagerReason.GRAPHS_DISABLED  # why calls run eagerly while ``capture`` is None
+    exact_sizes: Optional[str] = None  # why every call size gets a key of its own (padding rows write state)
+    outside_reads: Optional[List[Any]] = None  # what the last warm-up read outside its arguments (OutsideReads)
 
 
 class SignatureStager:
@@ -114,6 +119,8 @@ class GraphedCallable:
         debug: Optional[bool] = None,
         verify: bool = True,
         max_signatures: int = MAX_SIGNATURES,
+        pad_values: Optional[Mapping[str, float]] = None,
+        scratch_state: Sequence[torch.Tensor] = (),
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn: expected a callable (a function or module of tensors), got {type(fn).__name__}")
@@ -141,7 +148,34 @@ class GraphedCallable:
             max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
         self._watch = StateWatch(module_roots(fn))
-        self._lock = threading.Lock()
+        self._positional_names = positional_names(fn)
+        self.pad_values = checked_pad_values(pad_values, fn)
+        if not all(isinstance(tensor, torch.Tensor) for tensor in scratch_state):
+            raise TypeError("scratch_state: expected a sequence of tensors (state the padding rows may write)")
+        self.scratch_storages = {storage_key(tensor) for tensor in scratch_state}  # padding rows may write these
+        self._padding_warned: Set[str] = set()
+        self._lock = threading.Lock()  # set last: from here on, unknown attributes are set on a wrapped module
+
+    # ---- the wrapped object's attributes ------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper lacks is ``fn``'s (``fast.compute_logits(...)`` of a wrapped
+        module, a wrapped bound method's ``__self__``), as torch.compile's OptimizedModule passes
+        attribute access to its module. Only called when normal lookup fails: no per-call cost."""
+        try:
+            fn = self.__dict__["fn"]
+        except KeyError:  # during __init__, or an unpickled shell
+            raise AttributeError(name) from None
+        return getattr(fn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Once built, setting an attribute the wrapper does not have sets it on a wrapped module
+        (``fast.k_cache = ...`` as on the module itself), as OptimizedModule does."""
+        if (isinstance(self.__dict__.get("fn"), torch.nn.Module) and "_lock" in self.__dict__
+                and name not in self.__dict__ and not hasattr(type(self), name)):
+            setattr(self.fn, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     # ---- layouts ----------------------------------------------------------------------------------
 
@@ -155,7 +189,12 @@ class GraphedCallable:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
         # Modules passed as arguments run in the step: their training flags are part of the call's state.
-        self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
+        translate = self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
+        if translate is not None:
+            self._restate(translate)
+        signature.name_arguments(self._positional_names)
+        if self.pad_values:
+            signature.set_pad_values(self.pad_values)
         capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
         registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:
@@ -163,6 +202,17 @@ class GraphedCallable:
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
                               lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
         return LayoutGraphs(registry, capture)
+
+    def _restate(self, translate: Callable[[Any], Any]) -> None:
+        """The state watch took in a module in training mode: the states layouts and captured keys
+        were opened under, re-expressed in the new terms, so each still serves its calls."""
+        self.layouts.restate(translate)
+        for layout in self.layouts.layouts.values():
+            if layout.graphs is None:
+                continue  # the layout being opened: its graphs are made after this
+            for entry in layout.graphs.registry.entries.values():
+                if entry.guard is not None:
+                    entry.guard.state = translate(entry.guard.state)
 
     def _capture_for(self, device: torch.device) -> Optional[KeyCapture]:
         """The capture of layouts whose tensors live on ``device``: with ``backend="auto"`` CUDA
@@ -230,6 +280,7 @@ class GraphedCallable:
                                  "from its other dims")
 
             def stage_example(entry: GraphEntry) -> None:
+                self._padding_refused(layout, entry, leaves, rows)
                 signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
                 self._static_inputs(signature, entry)
 
@@ -264,11 +315,11 @@ class GraphedCallable:
             if layout.signature.tentative and padded is not None and batch_size != padded:
                 reason = EagerReason.AMBIGUOUS_BATCH_AXIS
             elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
             elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
                 # Another size padded to a key whose capture failed: a key of its own, warmed up first.
                 entry = self._exact_size_entry(layout, batch_size)
-                return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
+                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
             if reason is not None:
                 return self._run_eager(reason, layout, batch_size, args, kwargs)
             if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
@@ -287,7 +338,7 @@ class GraphedCallable:
             self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
-    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, state: Any, batch_size: int,
+    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
                            leaves: List[Any], args: tuple, kwargs: dict) -> Any:
         """A size's first calls are its warm-up, run eagerly as the real step; the next records
         on its staged inputs (the recording's writes undone) and replays once for its output."""
@@ -295,7 +346,7 @@ class GraphedCallable:
         warm_calls = graphs.warm_calls.get(entry.key, 0)
         if warm_calls < self.warmup_iters:  # a real call, on the caller's stream
             graphs.warm_calls[entry.key] = warm_calls + 1
-            return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+            return self._warm_up(layout, batch_size, leaves, args, kwargs)
         padded = entry.key.num_tokens
         if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
@@ -313,7 +364,22 @@ class GraphedCallable:
         decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
-        return self._replay(entry, state, layout, batch_size, leaves, args, kwargs)
+        # Read again: the call that opened its layout may have taken a module argument into the watch.
+        return self._replay(entry, self._watch.token(), layout, batch_size, leaves, args, kwargs)
+
+    def _warm_up(self, layout: Layout[LayoutGraphs], batch_size: int, leaves: List[Any], args: tuple,
+                 kwargs: dict) -> Any:
+        """A warm-up: ``fn`` on the call, eagerly, noting the tensors it reads from outside its
+        arguments (graphrt.backends.outside_reads), which the next recording compares with its own.
+        A compiled ``fn`` runs without the note (it compiles here, with no dispatch mode active); a
+        compiled part of ``fn`` runs its eager code under the note, which Dynamo would skip for good."""
+        if is_compiled(self.fn):
+            return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+        reads = OutsideReads({storage_key(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.numel()})
+        with eager_stance(), reads:
+            outputs = self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+        layout.graphs.outside_reads = reads.reads
+        return outputs
 
     def _guard_failed(self, failure: GuardFailure, layout: Layout[LayoutGraphs], batch_size: int, args: tuple,
                       kwargs: dict) -> Any:
@@ -356,13 +422,44 @@ class GraphedCallable:
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
         """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays.
         A padded key that fails is not final: the call's own size gets a graph (logged as INFO)."""
+        if self._padding_refused(layout, entry, leaves, batch_size):
+            return False
         layout.signature.stage(leaves, batch_size)
         self._static_inputs(layout.signature, entry)
         padded = entry.key.num_tokens
         then = "" if batch_size == padded else f"calls of {batch_size} rows get a graph at their own size"
         capture = layout.graphs.capture
+        expected = layout.graphs.outside_reads  # refuse a per-call tensor read from outside (a global context)
+        watch = None if expected is None else refuse_changed_reads(set(layout.signature.slot_paths()), expected,
+                                                                    entry.guard_spec.roots)
         with capture.backend.capture_session():  # one warm-up at the padded shape first, its writes undone
-            return capture.capture_entry(layout.graphs.registry, entry, 1, then)
+            return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch)
+
+    def _padding_refused(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int) -> bool:
+        """Before ``entry``'s key first records: if smaller calls will pad to it, compare the step on
+        the fewest rows it serves (this call's first rows, pad values above) with the step on all its
+        rows (graphrt.layout.padding_rows). Padding rows that write state the real rows' step does not
+        (or a step that cannot run at both sizes) make the layout record every size exactly, said once.
+        True when this call, padded, must not record the key."""
+        graphs = layout.graphs
+        size = entry.key.num_tokens
+        real = min(rows, graphs.registry.smallest_padded(MODE, size, KeyKind.CALL))
+        if graphs.exact_sizes is not None or real >= size:
+            return False
+        why, error = padding_refusal(self.fn, layout.signature, leaves, real, size, self.scratch_storages,
+                                     entry.guard_spec.roots)
+        if why is None:
+            return False
+        if error is not None and rows != size:  # as its capture would have failed: the call's size gets a graph
+            graphs.registry.mark_failed(entry, error, then=f"calls of {rows} rows get a graph at their own size")
+        elif error is None and why not in self._padding_warned:
+            self._padding_warned.add(why)
+            logger.warning("wrap(): %s. Calls of layout %d are recorded at their exact sizes", why, layout.number)
+        graphs.exact_sizes = why
+        stager = SignatureStager(layout.signature)
+        graphs.registry.add_sizes(MODE, range(1, self.max_batch_size + 1),
+                                  lambda key: self._make_entry(layout.signature, stager, key), KeyKind.CALL)
+        return rows != size
 
     def _exact_size_entry(self, layout: Layout[LayoutGraphs], batch_size: int) -> GraphEntry:
         """A key of the call's own size, for a size whose padded key's capture failed."""
@@ -417,6 +514,8 @@ class GraphedCallable:
         result["signature_changes"] = self.layouts.refined
         result["layouts_dropped"] = self.layouts.dropped
         result["layout_churn"] = dict(self.layouts.churn)
+        result["exact_sizes"] = {f"layout{layout.number}": layout.graphs.exact_sizes for layout in held
+                                 if layout.graphs.exact_sizes is not None}
         return result
 
 

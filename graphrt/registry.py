@@ -8,7 +8,7 @@ itself is the entry's (``graphrt.entry``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -78,15 +78,28 @@ class GraphRegistry:
                  kind: KeyKind = KeyKind.FULL) -> GraphEntry:
         """Register the diagonal key (size, size) beside ``mode``'s grid, keeping its other keys and
         graphs: calls of exactly ``size`` rows use it from now on (a size padding cannot serve)."""
+        return self.add_sizes(mode, [size], make_entry, kind)[0]
+
+    def add_sizes(self, mode: ForwardMode, sizes: Sequence[int], make_entry: Callable[[GraphKey], GraphEntry],
+                  kind: KeyKind = KeyKind.FULL) -> List[GraphEntry]:
+        """``add_size`` for each of ``sizes`` (a key already there is kept); their entries."""
         table = (mode, kind, 1)
         grid = self.grids[table][0]
-        sizes = sorted({*grid.token_sizes, size})
-        key = GraphKey(mode, size, size, kind)
-        entry = self.entries[key] = make_entry(key)
-        pad_table = build_pad_table(sizes)
-        self.grids[table] = (SizeGrid.for_decode(sizes), pad_table, pad_table)
+        for size in sizes:
+            key = GraphKey(mode, size, size, kind)
+            if key not in self.entries:
+                self.entries[key] = make_entry(key)
+        merged = sorted({*grid.token_sizes, *sizes})
+        pad_table = build_pad_table(merged)
+        self.grids[table] = (SizeGrid.for_decode(merged), pad_table, pad_table)
         self._by_rows[table] = [self.entries[GraphKey(mode, padded, padded, kind)] for padded in pad_table]
-        return entry
+        return [self.entries[GraphKey(mode, size, size, kind)] for size in sizes]
+
+    def smallest_padded(self, mode: ForwardMode, size: int, kind: KeyKind = KeyKind.FULL) -> int:
+        """The fewest rows a diagonal key of ``size`` serves (padding the rest): one more than the
+        next smaller size of ``mode``'s grid."""
+        smaller = [other for other in self.grids[mode, kind, 1][0].token_sizes if other < size]
+        return max(smaller, default=0) + 1
 
     def remove_mode(self, mode: ForwardMode) -> None:
         """Forget every full-graph key of ``mode`` (multi-step keys too) and their tables; dropped

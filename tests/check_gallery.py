@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphrt import wrap
+
 HIDDEN = 8
 BATCH = 4
 
@@ -31,19 +33,46 @@ class Mlp(nn.Module):
 
 
 class KvCacheModel(nn.Module):
-    """Clean, with state: writes each row into a KV cache at its slot, counts its steps."""
+    """Clean, with state: writes each row into a KV cache at its slot, counts its steps. The last
+    slot is scratch: wrapped with it as the slots' pad value, padding rows write only there."""
 
     def __init__(self, slots: int = 32) -> None:
         super().__init__()
         self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.register_buffer("k_cache", torch.zeros(slots, HIDDEN))
+        self.register_buffer("k_cache", torch.zeros(slots + 1, HIDDEN))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.scratch_slot = slots
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         hidden = self.proj(x)
         self.k_cache[slots] = hidden
         self.steps.add_(1)
         return hidden + self.k_cache[slots - 1]
+
+
+class PaddedStoreModel(nn.Module):
+    """A paged KV store whose padding rows (slot 0, wrap()'s default pad) overwrite a live slot."""
+
+    def __init__(self, slots: int = 32) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(slots, HIDDEN))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self.k_cache.index_copy_(0, slots, x)  # HAZARD: padding_writes_state
+        return x * 2
+
+
+class ForwardContext:
+    """A module-level forward context, set before each step (nano-vllm's utils/context.py)."""
+
+    scale = torch.full((HIDDEN,), 2.0)
+
+
+class GlobalContextModel(nn.Module):
+    """Reads a per-step tensor from a global forward context instead of its arguments."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * ForwardContext.scale  # HAZARD: outside_tensor
 
 
 class ItemModel(nn.Module):
@@ -202,7 +231,13 @@ def mlp():
 
 def kv_cache():
     torch.manual_seed(0)
-    return KvCacheModel(), (_rows(), torch.tensor([3, 5, 7, 9]))
+    model = KvCacheModel()
+    return (wrap(model, max_batch_size=16, pad_values={"slots": model.scratch_slot}, scratch_state=[model.k_cache]),
+            (_rows(), torch.tensor([3, 5, 7, 9])))
+
+
+def padded_store():
+    return PaddedStoreModel(), (_rows(), torch.tensor([3, 5, 7, 9]))
 
 
 def lengths():
@@ -247,6 +282,7 @@ def rows_only(model_class):
 
 
 item = rows_only(ItemModel)
+global_context = rows_only(GlobalContextModel)
 nonzero = rows_only(NonzeroModel)
 mask_index = rows_only(MaskIndexModel)
 rebind = rows_only(RebindModel)
@@ -270,4 +306,5 @@ HAZARD_FACTORIES = {
     "generator": generator, "noise": noise, "input_view": input_view, "shared_outputs": shared_outputs,
     "batch_stats": batch_stats, "batch_sum": batch_sum, "fixed_batch": fixed_batch,
     "no_batch": no_batch, "raising": raising, "numpy": numpy, "equal": equal, "nested_mask": nested_mask,
+    "padded_store": padded_store, "global_context": global_context,
 }

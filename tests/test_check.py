@@ -159,7 +159,8 @@ def test_op_recorder_still_raises_on_host_sync():
 
 
 def test_device_findings_flag_cpu_tensors_of_a_cuda_step():
-    fn, args = gallery.kv_cache()
+    wrapped, args = gallery.kv_cache()
+    fn = wrapped.fn  # the module wrap() graphs
     graph = ObjectGraph([("", fn)])
     recording = record(Step("example", lambda: fn(*args), {"x": args[0]}), graph)
     findings = device_findings(recording, Namer(graph, recording), torch.device("cuda", 0))

@@ -134,3 +134,24 @@ def test_check_leaves_a_compiled_callable_compilable():
     assert graphrt.check(compiled, torch.ones(2, 16)).ok
     compiled(torch.ones(2, 16))
     assert counting.compiles_under_mode == [False] and counting.runs == 1
+
+
+def test_wrap_warm_up_leaves_a_compiled_part_of_the_model_compilable():
+    """The warm-up notes the tensors read from outside the arguments under a dispatch mode: a compiled
+    submodule (nano-vllm compiles its RMSNorm and sampler) runs its eager code there, not skipped for good."""
+    counting = CountingBackend()
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.compile(Stepper().eval(), backend=counting)
+
+        def forward(self, x):
+            return self.inner(x) + 1
+
+    model = Outer().eval()
+    fast = graphrt.wrap(model, max_batch_size=4, capture_sizes=[2])
+    with torch.no_grad():
+        fast(torch.ones(2, 16))  # the warm-up
+        model.inner(torch.ones(2, 16))
+    assert counting.compiles_under_mode == [False] and counting.runs == 1

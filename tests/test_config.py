@@ -51,7 +51,7 @@ def test_defaults_are_filled_in_and_frozen():
     ({"capture_sizes": [1, 99], "max_batch_size": 8}, r"capture_sizes: expected ints in \[1, 8\]"),
     ({"capture_sizes": "tuned"}, "capture_sizes: expected None, 'auto' or a list of ints"),
     ({"max_graphs": 2}, "max_graphs: only used with capture_sizes='auto'"),
-    ({"pad_values": {"seq_lens": 0}}, r"pad_values\['seq_lens'\]: expected a non-negative int"),
+    ({"pad_values": {"seq_lens": 0}}, r"pad_values\['seq_lens'\]: expected an int \(seq_lens >= 1"),
     ({"pad_values": {"logits": 0}}, "pad_values: expected keys among"),
     ({"batch_context": {"kv": object()}}, "batch_context: expected keys among"),
     ({"modes": [ForwardMode.EXTEND], "extend_capture_sizes": ([0], [1])}, r"extend_capture_sizes\[0\]"),

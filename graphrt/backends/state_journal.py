@@ -78,9 +78,12 @@ def written_tensors(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> I
 def allocated_storages(
     func: Any, args: Sequence[Any], kwargs: Dict[str, Any], output: Any
 ) -> Iterator[Tuple[torch.device, int]]:
-    """Storages the op allocated: outputs that are neither views nor in-place results of an input."""
-    if all(result.alias_info is not None for result in func._schema.returns):
-        return  # views and in-place results share an input's memory
+    """Storages the op allocated: outputs that are neither views nor in-place results of an input.
+    An op whose schema says its result *may* alias its input (``to``, ``reshape``, ``contiguous``,
+    which run as such under ``inference_mode``) allocated memory when its result is not in an
+    input's storage: a step that writes that copy in place writes a temporary, not state."""
+    if all(result.alias_info is not None and result.alias_info.is_write for result in func._schema.returns):
+        return  # in-place and out= results are an input's memory
     inputs = {storage_key(arg) for arg in tree_leaves((args, kwargs)) if isinstance(arg, torch.Tensor)}
     for result in tree_leaves(output):
         if isinstance(result, torch.Tensor) and result.numel() and storage_key(result) not in inputs:
@@ -260,10 +263,10 @@ class StateJournal(TorchDispatchMode):
             raise CaptureMemoryError(
                 f"{func}{f' at {where}' if where else ''} writes a {list(target.shape)} "
                 f"{str(target.dtype).removeprefix('torch.')} tensor ({size / 2**20:.1f} MiB) in a way capture cannot "
-                f"narrow to rows, and undoing it would copy more than {self.budget / 2**20:.0f} MiB; if its writes "
-                "land only in rows no request owns (a KV cache written at out_cache_loc), pass it as scratch state "
-                "(GraphRunner(..., scratch_state=[tensor]), or keep it in batch_context's token_to_kv_pool), or write "
-                "it with index_copy_/index_put_")
+                f"narrow to rows, and undoing it would copy more than {self.budget / 2**20:.0f} MiB; write it with "
+                "index_copy_/index_put_ (undone row by row), or, with GraphRunner, whose capture stages pad values, "
+                "if its writes land only in rows the staged indices address (a KV cache written at out_cache_loc), "
+                "pass it as scratch state (scratch_state=[tensor], or keep it in batch_context's token_to_kv_pool)")
         self._whole_views.add(key)
         self._whole_bytes += size
         return True

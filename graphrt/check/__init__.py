@@ -38,10 +38,11 @@ def check(fn: Callable[..., Any], *example_args: Any, variants: Optional[Sequenc
         if variants is not None or example_kwargs:
             raise TypeError("check(runner, *examples): a GraphRunner takes example ForwardBatches only")
         return fn.check(*example_args)
-    if isinstance(fn, GraphedCallable):  # check what wrap() graphs, without capturing anything
-        fn = fn.fn
+    pad_values, scratch = {}, frozenset()
+    if isinstance(fn, GraphedCallable):  # check what wrap() graphs (with its pad values), without capturing anything
+        fn, pad_values, scratch = fn.fn, fn.pad_values, frozenset(fn.scratch_storages)
     with eager_stance():  # a compiled fn called under the check's modes would never compile again
-        return check_callable(fn, example_args, example_kwargs, variants)
+        return check_callable(fn, example_args, example_kwargs, variants, pad_values, scratch)
 
 
 __all__ = ["HAZARDS", "ArgumentInfo", "CheckReport", "Finding", "Hazard", "Severity", "StateWrite", "check", "check_runner"]

@@ -8,7 +8,7 @@ under the state journal: afterwards every tensor, binding and random generator i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,8 +20,10 @@ from graphrt.check.session import CheckSession
 
 
 def check_callable(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                   variants: Optional[Sequence[Arguments]] = None) -> CheckReport:
-    """Report what breaks or differs when ``fn`` is graphed (see ``graphrt.check``)."""
+                   variants: Optional[Sequence[Arguments]] = None, pad_values: Mapping[str, float] = {},  # noqa: B006
+                   scratch: FrozenSet[Tuple[torch.device, int]] = frozenset()) -> CheckReport:
+    """Report what breaks or differs when ``fn`` is graphed (see ``graphrt.check``); ``pad_values`` and
+    ``scratch`` (storages) are wrap()'s options, when ``fn`` came wrapped."""
     names = argument_names(fn, len(args))
     tree = CallTree(args, kwargs, names)
     roots = list(zip(names, args)) + list(kwargs.items()) + callable_roots(fn)
@@ -48,8 +50,10 @@ def check_callable(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[s
             session.compare(example, session.record(step(label, variant)))
         if any(axis is not None for axis in signature.axes):
             size = padded_size(signature.rows)
-            padded = session.record(step(f"example padded to {size} rows", signature.padded(tree)))
+            padded = session.record(step(f"example padded to {size} rows", signature.padded(tree, pad_values)))
             session.compare_padding(example, padded, {size: signature.rows})
+            if padded.error is None:
+                session.compare_padding_writes(example.step, padded.step, signature.rows, size, scratch)
     return session.finish()
 
 

@@ -189,8 +189,37 @@ def alias_findings(recording: Recording, name: Namer) -> List[Finding]:
     return findings
 
 
+_LIFTS = ("aten.lift_fresh", "aten.lift_fresh_copy")  # a tensor the step's Python built from host values
+
+
+def outside_findings(recording: Recording, name: Namer) -> List[Finding]:
+    """Tensors the step reads that are neither its inputs nor reachable from the model, the arguments
+    or the callable's globals (a global forward context): a graph reads the captured one forever.
+    Only for a step a graph records (``Step.graphed``)."""
+    if not recording.step.graphed:
+        return []
+    known = {id(arg) for op in recording.ops if op_name(op) in _LIFTS for arg in tensor_leaves(op.args)}
+    known |= {id(change.before) for change in recording.rebindings}  # bound when the step read it (rebound_tensor)
+    readers = {}
+    for op in recording.ops:
+        for tensor in tensor_leaves([op.args, op.kwargs]):
+            readers.setdefault(id(tensor), op)
+    findings = []
+    for tensor in external_reads(recording.ops):
+        if (id(tensor) in known or not tensor.numel() or name.input_name(tensor) is not None
+                or name.graph.name_of(tensor) is not None):
+            continue
+        op = readers[id(tensor)]
+        message = (f"{op_name(op)} reads a {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor that "
+                   "is neither an argument nor reachable from the model, the arguments or the step's globals; a graph "
+                   "reads this same tensor on every replay, so if the step gets another one on the next call (a "
+                   "global forward context, as nano-vllm's get_context()), every replay computes with the captured one")
+        findings.append(Finding("outside_tensor", message, op_name(op), name(tensor), _where(op)))
+    return findings
+
+
 def recording_findings(recording: Recording, name: Namer, device: torch.device) -> List[Finding]:
     """Every finding one recording shows by itself, rebindings aside (their lines need a rerun;
     divergence and padding need a second recording)."""
     return (host_read_findings(recording, name, device) + device_findings(recording, name, device)
-            + random_findings(recording) + alias_findings(recording, name))
+            + random_findings(recording) + alias_findings(recording, name) + outside_findings(recording, name))

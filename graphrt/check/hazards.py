@@ -103,6 +103,21 @@ HAZARDS: Dict[str, Hazard] = {
         "compute per row (no reductions or normalization across the batch dimension), or capture "
         "exactly the batch sizes you run (capture_sizes)",
     ),
+    "outside_tensor": Hazard(
+        Severity.WARNING, "the step reads a tensor from outside its arguments and its model",
+        f"{EagerReason.CAPTURE_FAILED.value} in wrap() when the next call reads another tensor there "
+        "(OutsideTensorError); else a graph reads the captured tensor on every replay", "",
+        "pass the tensor as an argument of the wrapped function; with GraphRunner, build the context inside the step "
+        "from graphrt.current_batch() (the static batch a graph replays); a constant tensor can be a module buffer",
+    ),
+    "padding_writes_state": Hazard(
+        Severity.WARNING, "padding rows write state the real rows' step leaves alone",
+        "replays at exact sizes: wrap() records every call size on its own (GraphRunner: silent, its pad values "
+        "must address rows no request owns)", "",
+        "give the argument that addresses the write a pad value whose writes land in no live row: "
+        "wrap(..., pad_values={...}) with -1 where the kernel skips it, else a row no request owns declared with "
+        "scratch_state=[...]",
+    ),
     "batch_not_padded": Hazard(
         Severity.INFO, "the step fails when its batch is padded", EagerReason.CAPTURE_FAILED.value, "",
         "capture exactly the batch sizes the step runs at (capture_sizes=[...]), e.g. a StaticCache's batch",

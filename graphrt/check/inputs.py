@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,6 +63,11 @@ class CallTree:
         """Arguments of the same structure with other leaves."""
         return unflatten_call(self.structure, self.kw_names, leaves)
 
+    def pads(self, pad_values: Mapping[str, float]) -> List[float]:
+        """Per leaf, what wrap(pad_values=...) puts in its padding rows (by path, or ``args[i]`` path; else 0)."""
+        indexed = call_paths(self.structure, self.kw_names)
+        return [pad_values.get(path, pad_values.get(index_path, 0)) for path, index_path in zip(self.paths, indexed)]
+
     def rolled(self) -> Arguments:
         """A variant: every tensor leaf's values rolled by one element (``roll``)."""
         return self.rebuild([roll(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves])
@@ -87,17 +92,19 @@ class Signature:
     rows: int  # the example's batch size
     problem: Optional[Finding] = None
 
-    def padded(self, tree: CallTree) -> Arguments:
-        """The example with zero rows added along each batched leaf's batch dim, up to ``padded_size``."""
+    def padded(self, tree: CallTree, pad_values: Mapping[str, float] = {}) -> Arguments:  # noqa: B006 - read only
+        """The example with padding rows (``pad_values``, else 0) added along each batched leaf's batch
+        dim, up to ``padded_size``."""
         size = padded_size(self.rows)
-        leaves = [leaf if axis is None else _pad(leaf, axis, size) for leaf, axis in zip(tree.leaves, self.axes)]
+        leaves = [leaf if axis is None else _pad(leaf, axis, size, pad)
+                  for leaf, axis, pad in zip(tree.leaves, self.axes, tree.pads(pad_values))]
         return tree.rebuild(leaves)
 
 
-def _pad(tensor: torch.Tensor, axis: int, size: int) -> torch.Tensor:
+def _pad(tensor: torch.Tensor, axis: int, size: int, value: float) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[axis] = size - shape[axis]
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=axis)
+    return torch.cat([tensor, tensor.new_full(shape, value)], dim=axis)
 
 
 def wrap_signature(tree: CallTree, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Signature:

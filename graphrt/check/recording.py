@@ -60,12 +60,15 @@ class ScanRecorder(OpRecorder):
 @dataclass
 class Step:
     """One call to record: ``prepare()`` (not recorded, e.g. attention metadata) then ``fn()``.
-    ``inputs`` names the tensors handed to the step (arguments, ForwardBatch fields)."""
+    ``inputs`` names the tensors handed to the step (arguments, ForwardBatch fields).
+    ``graphed``: the step is what a graph records (a runner's eager example run, whose attention
+    metadata ``prepare`` builds afresh, is not: its reads from outside are not findings)."""
 
     label: str
     fn: Callable[[], Any]
     inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
     prepare: Optional[Callable[[], None]] = None
+    graphed: bool = True
 
 
 @dataclass

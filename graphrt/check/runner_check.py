@@ -151,4 +151,5 @@ def _eager_step(runner: RunnerLike, label: str, batch: ForwardBatch) -> Step:
     """The model on ``batch``; the eager attention metadata is built before the recording starts."""
     init_metadata: Any = getattr(batch.attn_backend, "init_forward_metadata", None)
     prepare = (lambda: init_metadata(batch)) if init_metadata is not None else None
-    return Step(label, lambda: runner.model(batch.input_ids, batch.positions, batch), _batch_inputs(batch), prepare)
+    return Step(label, lambda: runner.model(batch.input_ids, batch.positions, batch), _batch_inputs(batch), prepare,
+                graphed=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -25,8 +25,10 @@ from graphrt.check.findings import (
 )
 from graphrt.check.line_trace import rebinding_lines
 from graphrt.check.names import ObjectGraph
-from graphrt.check.recording import Recording, ScanRecorder, Step, record
+from graphrt.backends.state_journal import storage_key
+from graphrt.check.recording import Recording, ScanRecorder, Step, record, source_text
 from graphrt.check.report import CheckReport, Finding
+from graphrt.layout.padding_rows import find_padding_write, fix_for
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,33 @@ class CheckSession:
             return
         for finding in padding_leak(real, padded, rows):
             self.report.add(finding)
+
+    def compare_padding_writes(self, real: Step, padded: Step, rows: int, size: int,
+                               scratch: Set[Tuple[torch.device, int]]) -> None:
+        """Add a finding when the padding rows write state the real rows' step does not (wrap() would
+        record exact sizes; graphrt.layout.padding_rows): the op, the line, the tensor and the fix."""
+        inputs = {storage_key(tensor): name for step in (real, padded) for name, tensor in step.inputs.items()
+                  if tensor.numel()}
+
+        def restoring(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                snapshot = self.graph.snapshot()  # Python bindings the step changes, put back after each run
+                try:
+                    return fn()
+                finally:
+                    snapshot.restore()
+            return run
+
+        try:
+            write = find_padding_write(restoring(real.fn), restoring(padded.fn), rows, size, set(inputs) | scratch,
+                                       inputs)
+        except Exception as error:  # the padded step's failure is reported by compare_padding
+            self.report.notes.append(f"padding rows' writes were not compared: {type(error).__name__}: {error}")
+            return
+        if write is not None:
+            name = self.graph.name_of(write.written) if write.written is not None else None
+            self.report.add(Finding("padding_writes_state", f"{write.describe()}; {fix_for(write)}", write.op,
+                                    name, source_text(write.source)))
 
     def finish(self) -> CheckReport:
         self.report.seconds = time.perf_counter() - self.started

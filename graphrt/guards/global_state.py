@@ -12,7 +12,7 @@ process-wide; a flag assigned directly is seen on the root modules only).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,20 +66,21 @@ def describe_autocast(state: Optional[Tuple[Any, ...]]) -> str:
 
 
 class StateWatch:
-    """The state token of each call of one model: autocast, then the ``training`` flags of every
-    module under ``roots`` (in ``modules()`` order). The token object is reused while nothing
-    changed, so equal states usually compare by identity."""
+    """The state token of each call of one model: autocast, then the modules under ``roots`` that
+    are in training mode (by identity). A module added in eval mode (``watch_also``: a model passed
+    as an argument) changes no token, so the layouts opened before it still match. The token object
+    is reused while nothing changed, so equal states usually compare by identity."""
 
     def __init__(self, roots: Sequence[torch.nn.Module]) -> None:
         count_train_calls()
         self.roots = tuple(roots)
         self._seen_calls = -1
         self._root_flags: Tuple[bool, ...] = ()
-        self._training: Tuple[bool, ...] = ()
-        self._token: Tuple[Any, ...] = (None, ())
+        self._training: FrozenSet[int] = frozenset()
+        self._token: Tuple[Any, ...] = (None, self._training)
 
     def token(self) -> Tuple[Any, ...]:
-        """``(autocast_state(), training flags)`` for the call about to run."""
+        """``(autocast_state(), ids of the modules in training mode)`` for the call about to run."""
         if TRAIN_CALLS[0] != self._seen_calls or self.roots and self._root_flag_assigned():
             self._read_training()
         if not _any_autocast():
@@ -90,18 +91,25 @@ class StateWatch:
         """Whether a root's flag was assigned without ``train()`` since it was read."""
         return any([root.training is not flag for root, flag in zip(self.roots, self._root_flags)])
 
-    def watch_also(self, modules: Sequence[torch.nn.Module]) -> None:
-        """Add roots (modules a call passes in): their flags join the token from the next call on."""
+    def watch_also(self, modules: Sequence[torch.nn.Module]) -> Optional[Callable[[Any], Any]]:
+        """Add roots (modules a call passes in): their flags join the token from the next call on.
+        Returns how to re-express a token read before in the new terms (the added modules in
+        training mode joined as they are now), or None when such tokens stay valid as they are."""
         known = {id(root) for root in self.roots}
         added = [module for module in modules if id(module) not in known]
-        if added:
-            self.roots = (*self.roots, *added)
-            self._seen_calls = -1
+        if not added:
+            return None
+        self.roots = (*self.roots, *added)
+        self._seen_calls = -1
+        training = frozenset(id(module) for root in added for module in root.modules() if module.training)
+        if not training:
+            return None
+        return lambda token: (token[0], token[1] | training)
 
     def _read_training(self) -> None:
         self._seen_calls = TRAIN_CALLS[0]
         self._root_flags = tuple(root.training for root in self.roots)
-        training = tuple(module.training for root in self.roots for module in root.modules())
+        training = frozenset(id(module) for root in self.roots for module in root.modules() if module.training)
         if training != self._training:
             self._training = training
             self._token = (None, training)
@@ -111,9 +119,13 @@ class StateWatch:
         reason and ``stats()["guard_failures"]``."""
         if captured[0] != now[0]:
             return "autocast", f"{describe_autocast(now[0])} (captured under {describe_autocast(captured[0])})"
-        names = [name or type(root).__name__ for root in self.roots for name, _ in root.named_modules()]
-        changed: List[str] = [name for name, then, flag in zip(names, captured[1], now[1]) if then != flag]
-        mode = "train" if now[1] and now[1][0] else "eval"
+        flipped = captured[1] ^ now[1]
+        names: Dict[int, str] = {}
+        for root in self.roots:
+            for name, module in root.named_modules():
+                names.setdefault(id(module), name or type(root).__name__)
+        changed: List[str] = [name for key, name in names.items() if key in flipped]
+        mode = "train" if now[1] - captured[1] else "eval"
         where = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         return "training", f"{mode} mode ({where or 'the modules changed'}; captured in the other mode)"
 

@@ -8,9 +8,9 @@ transformers' modeling-backend contract as a GraphRunner model (``engine``, its 
 ``layer_kinds``) are imported inside the functions that use them.
 """
 
-from graphrt.hf.generate import GenerateForward, StaticCachePool, graph_generate, graph_safe_cache
+from graphrt.hf.generate import GenerateForward, StaticCachePool, decode_masks, graph_generate, graph_safe_cache
 from graphrt.hf.engine import HFEngine, engine_model
 from graphrt.hf.multistep import MultiStepGenerate
 
-__all__ = ["GenerateForward", "HFEngine", "MultiStepGenerate", "StaticCachePool", "engine_model", "graph_generate",
-           "graph_safe_cache"]
+__all__ = ["GenerateForward", "HFEngine", "MultiStepGenerate", "StaticCachePool", "decode_masks", "engine_model",
+           "graph_generate", "graph_safe_cache"]

@@ -42,6 +42,17 @@ def graph_safe_cache(cache: Any, config: Any = None) -> Any:
     return make_graph_safe(cache, config)
 
 
+def decode_masks(model: Any, cache: Any) -> Callable[[Any], Any]:
+    """For a decode loop of your own over a graph-safe ``cache``: ``masks(position_ids)`` (``[batch, 1]``)
+    is the attention mask of a one-token step, built on the device, to pass as ``attention_mask``. The
+    model then builds no mask inside the step, where a sliding-window layer would read the cache's
+    length on the host (a host sync, which fails the capture). None where the model's own needs no such read."""
+    from graphrt.hf.step_masks import DecodeMasks
+
+    masks = DecodeMasks.for_cache(cache, model.config, model.dtype)
+    return masks if masks is not None else (lambda position_ids: None)
+
+
 class GenerateForward:
     """``model.forward`` under graph_generate(): the wrapped forward, with an encoder-decoder cache's
     filling step (cross-attention keys and values still to compute) called through that cache's
@@ -102,6 +113,30 @@ class StaticCachePool:
         return cache
 
 
+class PassedCaches:
+    """Stands in for ``model._prepare_cache_for_generation``: a cache the caller passes to ``generate()``
+    (the multi-turn recipe: one StaticCache across calls) is used as passed. The static cache
+    implementation graph_generate put in the generation config is dropped for that call (transformers
+    refuses both together), and a cache no step has written yet is made graph-safe in place (its
+    sliding-window layers replaced; one already holding keys keeps its layers)."""
+
+    def __init__(self, prepare: Callable[..., Any], implementation: str, config: Any = None) -> None:
+        self.prepare = prepare
+        self.implementation = implementation  # the cache implementation graph_generate set
+        self.config = config
+
+    def __call__(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        keyword = passed_cache_keyword(model_kwargs)
+        if keyword is not None:
+            if generation_config.cache_implementation == self.implementation:
+                generation_config.cache_implementation = None  # generate()'s own copy of the config
+            cache = model_kwargs[keyword]
+            owner = getattr(cache, "self_attention_cache", cache)
+            if not any(getattr(layer, "is_initialized", False) for layer in getattr(owner, "layers", ())):
+                graph_safe_cache(cache, self.config)
+        return self.prepare(generation_config, model_kwargs, *args, **kwargs)
+
+
 def warn_unsupported_layers(model: Any) -> None:
     """Log once, up front, the cache layer kinds of ``model`` that graphrt cannot graph (by class and layer)."""
     try:
@@ -150,6 +185,9 @@ def graph_generate(
                 logger.info("graph_generate(): cache_implementation=%r is a static cache of the config's layer "
                             "layout: generate() gets \"static\"", implementation)
             config.cache_implementation = "static"
+            if callable(getattr(model, "_prepare_cache_for_generation", None)):
+                model._prepare_cache_for_generation = PassedCaches(model._prepare_cache_for_generation, "static",
+                                                                   getattr(model, "config", None))
         # On a GPU, generate() would torch.compile the model call around the graphed forward.
         config.disable_compile = True
     prepare = getattr(model, "_prepare_static_cache", None)
@@ -161,4 +199,4 @@ def graph_generate(
     return fast
 
 
-__all__ = ["GenerateForward", "StaticCachePool", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "PassedCaches", "StaticCachePool", "decode_masks", "graph_generate", "graph_safe_cache"]

@@ -40,6 +40,9 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from graphrt.backends.op_graph import HostSyncError
+from graphrt.backends.source_lines import model_source_line
+
 # Token counts per update of the scripted comparison, window 3: a prompt shorter than the window,
 # decode steps that fill it and slide it, a multi-token step while full; then a prompt longer
 # than the window followed by decode steps.
@@ -86,9 +89,26 @@ class SlidingRingLayer(StaticLayer):
         self.cumulative_length.add_(new)
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
-        """``(kv_length, kv_offset)`` of what ``update`` returns; reads the token count on the host."""
+        """``(kv_length, kv_offset)`` of what ``update`` returns; reads the token count on the host, which
+        inside a captured step fails the capture with the remedy that works (masks built outside)."""
+        if _capturing():
+            where = model_source_line()
+            raise HostSyncError(
+                f"host sync in the captured step: SlidingRingLayer.get_mask_sizes{f' at {where}' if where else ''}: "
+                "it reads the sliding window's fill count on the host, because the model builds its attention mask "
+                "inside the step. Build the masks outside the step and pass them: "
+                "attention_mask=graphrt.hf.decode_masks(model, cache)(position_ids), as generate() does under "
+                "graphrt.hf.graph_generate")
         count = int(self.cumulative_length)
         return self.max_cache_len - 1 + query_length, max(count - self.max_cache_len + 1, 0)
+
+
+def _capturing() -> bool:
+    """Whether a graph is being captured (graphrt's CPU recorder answers as a CUDA capture does)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a torch built without CUDA, outside graphrt's recorder
+        return False
 
 
 class CacheLongWindowLayer(StaticLayer):

@@ -19,7 +19,7 @@ evidence yields a refined signature (``refine``), and wrap() captures again with
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -118,6 +118,8 @@ class CallSignature:
         self._buffers: Optional[InputBufferManager] = None  # allocated when a call is first staged
         self._slots: Dict[int, InputSlot] = {}
         self._plan: Optional[StagingPlan] = None
+        self.pad_values: Dict[int, float] = {}  # leaf index -> what its padding rows hold (default 0)
+        self.named_paths = self.paths  # the paths with positional arguments by parameter name (``name_arguments``)
 
     @classmethod
     def first_call(cls, args: Tuple[Any, ...], kwargs: Dict[str, Any], max_batch_size: int) -> "CallSignature":
@@ -161,7 +163,28 @@ class CallSignature:
         else:  # stored batch-first: staging pads rows; the function sees a movedim view
             others = evidence.shape[:axis] + evidence.shape[axis + 1:]
             spec, rows = BufferSpec((self.max_batch_size, *others), evidence.dtype, evidence.device), RowAxis.TOKENS
-        return self.buffers.register_slot(self.paths[index], spec, axis=rows)
+        return self.buffers.register_slot(self.paths[index], spec, axis=rows, pad_value=self.pad_values.get(index, 0))
+
+    def name_arguments(self, positional_names: Sequence[str]) -> None:
+        """Name positional arguments by their parameters in ``named_paths`` (``slot_mapping``, not ``args[1]``)."""
+        self.named_paths = call_paths(self.structure, self.kw_names, positional_names)
+
+    def set_pad_values(self, values: Mapping[str, float]) -> None:
+        """What the padding rows of the tensors ``values`` names hold, before any slot is allocated.
+        A key is a leaf's path with positional arguments by index (``args[1]``) or by parameter name
+        (``slot_mapping``, ``batch.slot_mapping``: ``name_arguments`` first); keys naming no tensor of
+        this layout are left for other layouts. A value that does not fit its tensor's dtype raises TypeError."""
+        resolved: Dict[int, float] = {}
+        for index in self._tensors:
+            for path in (self.paths[index], self.named_paths[index]):
+                if path in values:
+                    resolved[index] = _pad_value(path, values[path], self.leaves[index].dtype)
+        self.pad_values = resolved
+
+    def slot_paths(self) -> Dict[Tuple[torch.device, int], str]:
+        """The storage of each allocated argument slot and the argument's path (parameters by name)."""
+        return {(slot.tensor.device, slot.tensor.untyped_storage().data_ptr()): self.named_paths[index]
+                for index, slot in self._slots.items()}
 
     # ---- per call ---------------------------------------------------------------------------
 
@@ -333,6 +356,15 @@ class CallSignature:
                 axis = leaf.axis
                 result[path] = "fixed" if axis is None else (f"dim {axis}?" if leaf.tentative else f"dim {axis}")
         return result
+
+
+def _pad_value(path: str, value: Any, dtype: torch.dtype) -> float:
+    """``value`` as a pad of a ``dtype`` tensor, or TypeError naming ``path``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"pad_values[{path!r}]: expected an int or float, got {value!r}")
+    if not (dtype.is_floating_point or dtype.is_complex) and not float(value).is_integer():
+        raise TypeError(f"pad_values[{path!r}]: expected an int for a {dtype} tensor, got {value!r}")
+    return value
 
 
 def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[str, ...]) -> Tuple[List[Any], Any]:

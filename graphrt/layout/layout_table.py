@@ -143,7 +143,7 @@ class LayoutTable(Generic[Graphs]):
     def _open(self, signature: CallSignature, family: Hashable, bucket_key: Hashable, state: Hashable) -> Layout[Graphs]:
         while len(self.layouts) >= self.max_layouts:
             self._drop(next(iter(self.layouts.values())))
-        layout = Layout(self.opened, signature, self._make_graphs(signature), family, bucket_key, state)
+        layout: Layout[Graphs] = Layout(self.opened, signature, None, family, bucket_key, state)
         if self.opened:
             logger.info("wrap(): new argument layout %d: %s", layout.number, signature.layout())
         self.opened += 1
@@ -151,12 +151,36 @@ class LayoutTable(Generic[Graphs]):
         self._buckets.setdefault(bucket_key, []).append(layout)
         self._unrecorded[family] = self._unrecorded.get(family, 0) + 1
         self._current = layout
+        try:
+            layout.graphs = self._make_graphs(signature)  # held first: making them may restate every layout
+        except BaseException:  # a bad option for this layout (a pad value its tensor cannot hold)
+            self._remove(layout)
+            raise
         return layout
+
+    def restate(self, translate: Callable[[Hashable], Hashable]) -> None:
+        """Re-express every layout's global state in new terms (``translate``: a module passed as
+        an argument joined the state watch), keeping each layout, its recency and churn count."""
+        unrecorded = self._unrecorded
+        self._unrecorded, self._buckets = {}, {}
+        for layout in self.layouts.values():  # least recently used first: buckets keep recency order
+            count = unrecorded.get(layout.family)
+            layout.state = translate(layout.state)
+            layout.family = (layout.family[0], layout.state)
+            layout.bucket = (*layout.bucket[:-1], layout.state)
+            if count is not None:
+                self._unrecorded[layout.family] = count
+            self._buckets.setdefault(layout.bucket, []).append(layout)
 
     def _drop(self, layout: Layout[Graphs]) -> None:
         """Forget the least recently used layout and its graphs (max_signatures reached)."""
         logger.info("wrap(): %d layouts hold graphs (max_signatures): dropping layout %d, least recently used",
                     len(self.layouts), layout.number)
+        self._remove(layout)
+        self._drop_graphs(layout.graphs)
+        self.dropped += 1
+
+    def _remove(self, layout: Layout[Graphs]) -> None:
         del self.layouts[layout.number]
         bucket = self._buckets[layout.bucket]
         bucket.remove(layout)
@@ -166,8 +190,6 @@ class LayoutTable(Generic[Graphs]):
             del self._unrecorded[layout.family]  # a family with no layout held starts afresh
         if self._current is layout:
             self._current = None
-        self._drop_graphs(layout.graphs)
-        self.dropped += 1
 
     def recorded(self, layout: Layout[Graphs]) -> None:
         """A graph of ``layout`` was recorded: its family is not churning."""

@@ -29,8 +29,10 @@ _OPAQUE = (torch.Tensor, type, types.ModuleType, types.FunctionType, types.Built
 GENERIC_ADVICE = "Use an object updated in place, or pass its tensors as arguments"
 HF_ADVICE = ("a Hugging Face cache class whose update keeps Python state: generate with "
              "graphrt.hf.graph_generate(model, ...), which hands generate() static caches with graph-safe layers "
-             "and names the layer kinds it cannot graph; for a cache of your own, "
-             "graphrt.hf.graph_safe_cache(StaticCache(...))")
+             "and names the layer kinds it cannot graph; in a decode loop of your own, pass "
+             "cache = graphrt.hf.graph_safe_cache(StaticCache(config=model.config, max_cache_len=...), model.config) "
+             "and, as the model builds a sliding-window mask inside the step otherwise, each step's "
+             "attention_mask=graphrt.hf.decode_masks(model, cache)(position_ids)")
 
 
 class RebindError(TypeError):

@@ -1,0 +1,325 @@
+"""Padding rows must write no state a real row's step would not: found from the write journal.
+
+A padded call runs the step on ``padded`` rows of which only ``real`` are the caller's; the rest
+hold pad values. Verification compares the padded replay with the padded eager run, so it cannot
+see a padding row that writes a live request's KV slot (``index_copy_`` at slot 0, the pad
+value). ``find_padding_write`` runs the step at the real size and at the padded size on the same
+static slots, both under one StateJournal (every write undone), and compares what they did to
+the state (memory that existed before, outside the step's own argument slots and the caller's
+declared scratch):
+
+* where they wrote: the rows of every region the padded step wrote (the index values of an
+  ``index_put_``/``index_copy_``/``scatter_`` into a view, or the view a ``copy_``, an ``add_`` or an
+  opaque op wrote whole) must be among those the real step wrote into the same view; a padding row
+  that writes another row is found whatever values it writes (a view written in another form than
+  the real step's counts as other rows: exact sizes, the safe side);
+* what they left: the values of every region either wrote, after each step, must agree (within
+  rounding: the two sizes may take other kernels). This finds padding rows writing the real rows'
+  positions (a duplicate index) and state reduced over the batch.
+
+Both runs see the same values in the real rows, so a difference is the padding rows' doing. The
+step is also run with ``ArgumentTaint``, which says which arguments' values the offending write
+was computed from (the index that addressed it first), to name the argument whose pad value to
+change. A custom op that skips rows (a store kernel skipping slot ``-1``) is opaque: its whole
+target counts as written by both runs, and its values decide.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from graphrt.backends.compiled import eager_stance
+from graphrt.backends.source_lines import SourceLine
+from graphrt.backends.state_journal import (
+    StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
+)
+from graphrt.capture import WHOLE_SAVE_BUDGET, rounding_tolerance
+from graphrt.layout.rebind_guard import RebindGuard
+
+_aten = torch.ops.aten
+Storage = Tuple[torch.device, int]
+
+
+@dataclass(frozen=True)
+class PaddingWrite:
+    """A write of the padded step into state that the real-size step leaves otherwise."""
+
+    op: str
+    source: Optional[SourceLine]
+    target: str  # shape and dtype of the tensor written
+    elements: int  # elements of the state the padding rows write or change
+    arguments: Tuple[str, ...]  # the arguments whose values the write was computed from (its index first)
+    real: int
+    padded: int
+    written: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)  # the tensor written, to name it
+
+    def describe(self) -> str:
+        """What was found, in words, for the warning, the failed key's reason and graphrt.check."""
+        where = f" at {self.source}" if self.source is not None else ""
+        whose = f"; it is computed from {', '.join(self.arguments)}" if self.arguments else ""
+        return (f"padded from {self.real} to {self.padded} rows, the padding rows' {self.op}{where} writes "
+                f"{self.elements} elements of a {self.target} tensor that the real rows' step leaves as they "
+                f"were{whose}")
+
+
+def fix_for(write: PaddingWrite) -> str:
+    """The remedy that works for the op that wrote: a pad value its writes skip or land harmlessly at."""
+    if not write.arguments:
+        return "capture exactly the batch sizes you run (capture_sizes=[...]): no argument's pad value decides it"
+    argument = write.arguments[0]
+    scratch = (f"a row no request owns: wrap(..., pad_values={{'{argument}': R}}, scratch_state=[the {write.target} "
+               "tensor]), R an extra row of that tensor")
+    if write.op.startswith("aten."):  # index_copy_ refuses -1, index_put_ takes it as the last row
+        return f"pad {argument} with {scratch} (aten ops do not skip -1)"
+    return (f"pad {argument} with -1 if {write.op} skips negative slots, as vLLM's and nano-vllm's store kernels do: "
+            f"wrap(..., pad_values={{'{argument}': -1}}); else with {scratch}")
+
+
+class ArgumentTaint(TorchDispatchMode):
+    """Which arguments each tensor of the step was computed from (``sources``: storage -> argument
+    path), and, per in-place write into memory the step did not allocate, the arguments the op's
+    other inputs were computed from: ``writes`` lists ``(target storage, op, index arguments, value
+    arguments)`` in order."""
+
+    def __init__(self, sources: Mapping[Storage, str]) -> None:
+        super().__init__()
+        self.sources = sources
+        self._taint = WeakIdKeyDictionary()  # the step's own tensors -> arguments (keeps none alive)
+        self._fresh: Set[Storage] = set()
+        self.writes: List[Tuple[Storage, str, FrozenSet[str], FrozenSet[str]]] = []
+
+    def _of(self, value: Any) -> FrozenSet[str]:
+        found: Set[str] = set()
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                found |= self._taint.get(leaf, frozenset())
+                source = self.sources.get(storage_key(leaf)) if leaf.numel() else None
+                if source is not None:
+                    found.add(source)
+        return frozenset(found)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        for position, target in written_tensors(func, args, kwargs):
+            key = storage_key(target)
+            if key not in self._fresh and key not in self.sources:
+                named = [(argument.name, args[index] if index < len(args) else kwargs.get(argument.name))
+                         for index, argument in enumerate(func._schema.arguments) if index != position]
+                index_arguments = self._of([value for name, value in named if name in _INDEX_NAMES])
+                self.writes.append((key, str(func), index_arguments, self._of([value for _, value in named])))
+        output = func(*args, **kwargs)
+        self._fresh.update(allocated_storages(func, args, kwargs, output))
+        taint = self._of([args, kwargs])
+        if taint:
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor):
+                    self._taint[leaf] = taint
+        return output
+
+
+_INDEX_NAMES = ("index", "indices")  # the schema arguments that address an indexed write
+
+
+def _positions(region: WrittenRegion) -> Tuple[Any, FrozenSet[Any]]:
+    """Where a region was written, as (what it indexes, which of its rows): the view and the index
+    values of an indexed writer (negative ones as the rows they stand for), else the view, whole.
+    Memory in proportion to the rows written, never to the tensor written into."""
+    target = region.target
+    view = view_key(target)
+    if region.write is _aten.index_copy_.default:
+        return (view, "dim", region.where[1]), frozenset(region.where[2].tolist())
+    if region.write is _aten.index_put_.default:
+        indices = region.where[1]
+        dims = [(dim, index) for dim, index in enumerate(indices) if index is not None]
+        if not dims:
+            return (view, "whole"), frozenset([()])
+        rows = [(index.nonzero().flatten() if index.dtype == torch.bool else index) % target.shape[dim]
+                for dim, index in dims]
+        stacked = torch.stack([row.flatten() for row in torch.broadcast_tensors(*rows)], dim=1)
+        return (view, "index", tuple(index is None for index in indices)), frozenset(map(tuple, stacked.tolist()))
+    if region.write is _aten.scatter_.src:
+        dim, index = region.where[1], region.where[2]
+        coordinates = list(torch.meshgrid(*(torch.arange(size) for size in index.shape), indexing="ij"))
+        coordinates[dim] = index.cpu()
+        return (view, "element"), frozenset(map(tuple, torch.stack([c.flatten() for c in coordinates], 1).tolist()))
+    return (view, "whole"), frozenset([()])  # a whole view (copy_, an in-place op on a view, an opaque op)
+
+
+def _differs(padded: torch.Tensor, real: torch.Tensor) -> int:
+    """Elements of two readings of one region that differ by more than rounding (0 if none)."""
+    if padded.shape != real.shape:
+        return padded.numel()
+    try:
+        torch.testing.assert_close(padded, real, equal_nan=True, **rounding_tolerance(real))
+    except AssertionError:
+        if padded.is_floating_point() or padded.is_complex():
+            tolerance = rounding_tolerance(real)
+            close = torch.isclose(padded, real, rtol=tolerance.get("rtol", 0), atol=tolerance.get("atol", 0),
+                                  equal_nan=True)
+            return int((~close).sum())
+        return int((padded != real).sum())
+    return 0
+
+
+def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], Any], real: int, padded: int,
+                       exempt: Set[Storage], arguments: Mapping[Storage, str]) -> Optional[PaddingWrite]:
+    """The first write of ``padded_step`` into state (memory outside ``exempt``) that ``real_step``,
+    the same step on the first ``real`` of its ``padded`` rows, does not make, or None. Both run
+    eagerly under one journal; every write and random draw is undone. ``arguments`` names the
+    storages of the step's argument slots (to say which argument a write was computed from). A write
+    that cannot be narrowed to rows into a tensor too large to copy raises CaptureMemoryError, as
+    capture does."""
+    journal = StateJournal(budget=WHOLE_SAVE_BUDGET)
+    taint = ArgumentTaint(arguments)
+    with torch.no_grad(), eager_stance():  # a compiled step called under a dispatch mode would stay uncompiled
+        try:
+            with journal:
+                real_step()
+            real_regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
+            real_values = [region.current() for region in real_regions]
+            journal.put_back()
+            first = len(journal.regions)
+            with journal, taint:
+                padded_step()
+            padded_regions = [region for region in journal.regions[first:]
+                              if storage_key(region.target) not in exempt]
+            found = _outside(padded_regions, real_regions)
+            if found is None:
+                found = _changed(journal, padded_regions, real_regions, real_values)
+        finally:
+            journal.restore()
+    if found is None:
+        return None
+    region, elements = found
+    index_arguments, value_arguments = _arguments_of(taint, region)
+    named = tuple(sorted(index_arguments)) + tuple(sorted(value_arguments - index_arguments))
+    dtype = str(region.target.dtype).removeprefix("torch.")
+    return PaddingWrite(region.op.removesuffix(".default"), region.source, f"{list(region.target.shape)} {dtype}",
+                        elements, named, real, padded, region.target)
+
+
+def _outside(padded_regions: List[WrittenRegion], real_regions: List[WrittenRegion]
+             ) -> Optional[Tuple[WrittenRegion, int]]:
+    """The first region of the padded step that covers rows (or views) the real step did not write."""
+    written: Dict[Any, Set[Any]] = {}
+    for region in real_regions:
+        key, rows = _positions(region)
+        written.setdefault(key, set()).update(rows)
+    for region in padded_regions:
+        key, rows = _positions(region)
+        extra = rows - written.get(key, set())
+        if extra:
+            per_row = region.target.numel() if key[1] == "whole" else max(region.current().numel() // len(rows), 1)
+            return region, len(extra) * per_row
+    return None
+
+
+def _changed(journal: StateJournal, padded_regions: List[WrittenRegion], real_regions: List[WrittenRegion],
+             real_values: List[torch.Tensor]) -> Optional[Tuple[WrittenRegion, int]]:
+    """The first region whose contents after the padded step differ from those after the real step."""
+    regions = padded_regions + real_regions
+    after_padded = [region.current() for region in regions]
+    journal.put_back()
+    for region, values in zip(real_regions, real_values):  # the state as the real step left it
+        region.write(*region.where, values)
+    after_real = [region.current() for region in regions]
+    for region, padded_values, real_values_now in zip(regions, after_padded, after_real):
+        count = _differs(padded_values, real_values_now)
+        if count:
+            return region, count
+    return None
+
+
+def _arguments_of(taint: ArgumentTaint, region: WrittenRegion) -> Tuple[FrozenSet[str], FrozenSet[str]]:
+    """The arguments the write into ``region``'s storage was computed from: its index, then its values."""
+    key = storage_key(region.target)
+    for target, op, index_arguments, value_arguments in taint.writes:
+        if target == key and op == region.op:
+            return index_arguments, value_arguments
+    return frozenset(), frozenset()
+
+
+Refusal = Tuple[Optional[str], Optional[Exception]]  # why padding is refused (None: it is not), and the error
+
+
+def padding_refusal(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
+                    scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Refusal:
+    """For wrap(): why calls padded from ``real`` to ``padded`` rows must not share one graph, or None
+    when they may (``signature_padding_write``), and the error when the step cannot run at both sizes
+    (state sized to the batch, such as a StaticCache, or a write too large to copy)."""
+    try:
+        write = signature_padding_write(fn, signature, leaves, real, padded, scratch, roots)
+    except Exception as error:  # a failed capture would say the same: no padded graph for this layout
+        return f"the step does not run at both {real} and {padded} rows ({type(error).__name__}: {error})", error
+    return (None if write is None else f"{write.describe()}; {fix_for(write)}"), None
+
+
+def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
+                            scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Optional[PaddingWrite]:
+    """For wrap(): stage the call's first ``real`` rows into ``signature``'s slots (pad values above
+    them) and compare ``fn`` on ``real`` and on ``padded`` rows of the slots (``find_padding_write``);
+    the slots and ``scratch`` are not state. Each run puts back the Python bindings of ``roots`` it
+    changed (a step that rebinds them raises RebindError, as its capture would). The slots keep the
+    staged rows."""
+    signature.stage(leaves, real, cut=True)
+
+    def run(rows: int) -> Callable[[], Any]:
+        call = signature.static_arguments(rows)
+
+        def step() -> Any:
+            with RebindGuard(roots):
+                return fn(*call.args, **call.kwargs)
+
+        return step
+
+    slots = signature.slot_paths()
+    return find_padding_write(run(real), run(padded), real, padded, set(slots) | scratch, slots)
+
+
+# ---- what wrap()'s padding rows hold: pad_values=, by argument path ------------------------------------
+
+
+def parameters_of(fn: Callable[..., Any]) -> List[inspect.Parameter]:
+    """``fn``'s parameters (a module's ``forward``'s); none where it has no signature (a builtin)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        return list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def positional_names(fn: Callable[..., Any]) -> List[str]:
+    """The names of ``fn``'s positional parameters, to name arguments by."""
+    return [p.name for p in parameters_of(fn) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def checked_pad_values(pad_values: Optional[Mapping[str, float]], fn: Callable[..., Any]) -> Dict[str, float]:
+    """``wrap(pad_values=...)`` checked: argument paths (``args[1]``, a parameter's name, ``batch.slots``)
+    to int or float pads (negative ones included: -1 for kernels that skip it)."""
+    if pad_values is None:
+        return {}
+    if not isinstance(pad_values, Mapping):
+        raise TypeError(f"pad_values: expected a mapping of argument paths to numbers, got {type(pad_values).__name__}")
+    parameters = parameters_of(fn)
+    names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} | {"args"}
+    any_name = not parameters or any(p.kind is p.VAR_KEYWORD for p in parameters)
+    for path, value in pad_values.items():
+        if not isinstance(path, str):
+            raise TypeError(f"pad_values: expected argument paths as str keys, got {path!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"pad_values[{path!r}]: expected an int or float, got {value!r}")
+        if not any_name and path.split(".")[0].split("[")[0] not in names:
+            raise ValueError(f"pad_values: {path!r} names no parameter of the function (its parameters: "
+                             f"{sorted(names - {'args'})}; or args[i])")
+    return dict(pad_values)
+
+
+__all__ = ["ArgumentTaint", "PaddingWrite", "checked_pad_values", "find_padding_write", "fix_for", "padding_refusal",
+           "positional_names", "signature_padding_write"]
