@@ -42,7 +42,7 @@ from graphrt.backends.compiled import is_compiled
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
-from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
+from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
@@ -140,7 +140,8 @@ class GraphedCallable:
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
             max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
-        self._watch = StateWatch(module_roots(fn))
+        self._watch = StateWatch()
+        self._variants = 0  # Python states seen (wrap() keeps layouts per state: StateWatch.variant)
         self._lock = threading.Lock()
 
     # ---- layouts ----------------------------------------------------------------------------------
@@ -154,15 +155,18 @@ class GraphedCallable:
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
-        # Modules passed as arguments run in the step: their training flags are part of the call's state.
-        self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
-        capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
+        off_reason = signature.eager_reason
+        capture = None if off_reason else self._capture_for(signature.leaves[signature.batch_leaf].device)
         registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:
             stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
                               lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
-        return LayoutGraphs(registry, capture)
+        graphs = LayoutGraphs(registry, capture)
+        if off_reason:
+            graphs.off_reason = EagerReason(off_reason)
+            logger.info("wrap(): calls of layout %s run eagerly (%s)", signature.layout(), off_reason)
+        return graphs
 
     def _capture_for(self, device: torch.device) -> Optional[KeyCapture]:
         """The capture of layouts whose tensors live on ``device``: with ``backend="auto"`` CUDA
@@ -197,7 +201,7 @@ class GraphedCallable:
 
         entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects), stager=stager,
                            count=self._stats.record_graph,
-                           guard_spec=GuardSpec.of(self._watch, objects))
+                           guard_spec=GuardSpec(self._watch, objects, self.fn))
         return entry
 
     @staticmethod
@@ -244,45 +248,52 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
         with self._lock:
-            state = self._watch.token()
-            layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
-            if batch_size:
-                self._stats.record_size(MODE, batch_size)
-            autograd = torch.is_grad_enabled()
-            if autograd and requires_grad(leaves):
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            if layout is None:
-                return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
-            graphs = layout.graphs
-            if graphs.capture is None:
-                return self._run_eager(graphs.off_reason, layout, batch_size, args, kwargs)
-            if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
-            reason = decision.reason
-            padded = None if decision.entry is None else decision.entry.key.num_tokens
-            if layout.signature.tentative and padded is not None and batch_size != padded:
-                reason = EagerReason.AMBIGUOUS_BATCH_AXIS
-            elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
-            elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
-                # Another size padded to a key whose capture failed: a key of its own, warmed up first.
-                entry = self._exact_size_entry(layout, batch_size)
-                return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
-            if reason is not None:
-                return self._run_eager(reason, layout, batch_size, args, kwargs)
-            if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            return self._replay(decision.entry, state, layout, batch_size, leaves, args, kwargs)
+            return self._call(args, kwargs, True)
+
+    def _call(self, args: tuple, kwargs: dict, may_switch: bool) -> Any:
+        """One call (the lock held); ``may_switch``: a guard failure of a Python state that may have
+        been seen before switches to that state's layouts and dispatches the call once more."""
+        state = self._watch.token()
+        layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
+        if batch_size:
+            self._stats.record_size(MODE, batch_size)
+        autograd = torch.is_grad_enabled()
+        if autograd and requires_grad(leaves):
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        if layout is None:
+            return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
+        graphs = layout.graphs
+        if graphs.capture is None:
+            return self._run_eager(graphs.off_reason, layout, batch_size, args, kwargs)
+        if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
+        reason = decision.reason
+        padded = None if decision.entry is None else decision.entry.key.num_tokens
+        if layout.signature.tentative and padded is not None and batch_size != padded:
+            reason = EagerReason.AMBIGUOUS_BATCH_AXIS
+        elif reason is EagerReason.NOT_CAPTURED:
+            return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
+        elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
+            # Another size padded to a key whose capture failed: a key of its own, warmed up first.
+            entry = self._exact_size_entry(layout, batch_size)
+            return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
+        if reason is not None:
+            return self._run_eager(reason, layout, batch_size, args, kwargs)
+        if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        return self._replay(decision.entry, state, layout, batch_size, leaves, args, kwargs, may_switch)
 
     def _replay(self, entry: GraphEntry, state: Any, layout: Layout[LayoutGraphs], batch_size: int,
-                leaves: List[Any], args: tuple, kwargs: dict) -> Any:
+                leaves: List[Any], args: tuple, kwargs: dict, may_switch: bool = False) -> Any:
         """Replay ``entry`` for this call if its guard holds (graphrt.guards), else run eagerly."""
         guard = entry.guard
         if guard is not None:
             failure = guard.failure(state, entry.stager.sources, leaves, self.debug)
             if failure is not None:
-                return self._guard_failed(failure, layout, batch_size, args, kwargs)
+                return self._guard_failed(failure, layout, batch_size, args, kwargs, may_switch)
+            if torch.is_grad_enabled() and guard.reads_grad():  # requires_grad set since capture
+                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
         if not self._grad_warned and torch.is_grad_enabled():
             self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
@@ -294,8 +305,9 @@ class GraphedCallable:
         graphs = layout.graphs
         warm_calls = graphs.warm_calls.get(entry.key, 0)
         if warm_calls < self.warmup_iters:  # a real call, on the caller's stream
-            graphs.warm_calls[entry.key] = warm_calls + 1
-            return self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+            outputs = self._run_eager(EagerReason.WARMUP, layout, batch_size, args, kwargs)
+            graphs.warm_calls[entry.key] = warm_calls + 1  # only once it returned: a raising step never records
+            return outputs
         padded = entry.key.num_tokens
         if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
@@ -316,14 +328,20 @@ class GraphedCallable:
         return self._replay(entry, state, layout, batch_size, leaves, args, kwargs)
 
     def _guard_failed(self, failure: GuardFailure, layout: Layout[LayoutGraphs], batch_size: int, args: tuple,
-                      kwargs: dict) -> Any:
-        """A key's guard failed: this call runs eagerly with the failure's reason. A rebound tensor
-        gives the layout fresh graphs, recorded on later calls on what is bound now, unless its
-        last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few calls,
-        as beam search's cache reorder does): then its calls run eagerly from now on."""
+                      kwargs: dict, may_switch: bool = False) -> Any:
+        """A key's guard failed. A Python state that can come back (``training``, an attribute, the
+        hooks: ``RECURRING``) switches the calls to that state's layouts, those of a state seen before
+        whose guards hold now or new ones, and dispatches this call there. A rebound tensor or module,
+        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now, unless
+        its last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few
+        calls, as beam search's cache reorder does): then its calls run eagerly from now on. Other
+        failures run this call eagerly with the failure's reason."""
         reason = EagerReason(failure.reason)
         self._stats.record_guard_failure(f"{failure.reason}: {failure.detail}")
-        if reason is EagerReason.REBOUND_STATE:
+        if failure.reason in RECURRING and may_switch:
+            self._switch_state(layout)
+            return self._call(args, kwargs, False)
+        if reason in (EagerReason.REBOUND_STATE, EagerReason.MODULE_MOVED):
             graphs = layout.graphs
             replays = sum(entry.hits for entry in graphs.registry.entries.values())
             if replays >= CHURN_LIMIT:
@@ -337,6 +355,23 @@ class GraphedCallable:
                 graphs.capture, graphs.off_reason = None, reason
                 graphs.registry.clear()
         return self._run_eager(reason, layout, batch_size, args, kwargs)
+
+    def _switch_state(self, layout: Layout[LayoutGraphs]) -> None:
+        """Calls go to the layouts of the Python state of now: a state seen before if a captured key
+        of a layout like ``layout`` (same family) holds there, else a new one (its layouts are
+        opened, warmed up and recorded on the next calls, bounded by ``max_signatures``)."""
+        family = layout.signature.family()
+        for other in reversed(self.layouts.layouts.values()):
+            if other is layout or other.state is None or other.signature.family() != family:
+                continue
+            guards = [entry.guard for entry in other.graphs.registry.entries.values() if entry.guard is not None]
+            if guards and guards[0].state_failure() is None:
+                logger.info("wrap(): the Python state is back to that of layout %d; its graphs replay", other.number)
+                self._watch.set_variant(other.state[1])
+                return
+        self._variants += 1
+        logger.info("wrap(): Python state %d: calls get graphs of their own", self._variants)
+        self._watch.set_variant(self._variants)
 
     def recapture(self) -> None:
         """Drop every layout's graphs: each records them again on its next calls, on the tensors
