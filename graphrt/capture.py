@@ -242,7 +242,7 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     its guard's roots (object arguments, what the wrapped callable holds) or assigns an attribute
     of any module or watched object fails it too (``RebindError``), each binding put back. The
     first run is observed (graphrt.guards.observe): what it ran is what the key's guard checks."""
-    roots = entry.guard_spec.roots() if entry.guard_spec is not None else ()
+    roots = entry.guard_spec.rebind_roots() if entry.guard_spec is not None else ()
     entry.observation = None
 
     def run() -> List[Any]:

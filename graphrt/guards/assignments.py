@@ -43,9 +43,11 @@ class AssignmentJournal:
         return self
 
     def note(self, obj: Any, name: str) -> None:
-        """Called before ``obj.name`` is assigned or deleted: remember what it held."""
+        """Called before ``obj.name`` is assigned or deleted: remember what it held (a module's
+        attribute, or one of an object the capture names: an object argument and what it holds)."""
         key = (id(obj), name)
-        if key in self._before:
+        if key in self._before or not isinstance(obj, torch.nn.Module) and id(obj) not in self._paths and (
+                id(vars(obj)) not in self._paths if hasattr(obj, "__dict__") else True):
             return
         caller = sys._getframe(2)  # the patched __setattr__'s caller
         if caller.f_code.co_name == "__init__" and caller.f_locals.get("self") is obj:

@@ -129,12 +129,17 @@ StorageOf = Callable[[torch.Tensor], Any]
 
 
 def find_bindings(roots: Sequence[Tuple[str, Any]], touched: Set[Any], storage_of: StorageOf,
-                  modules: Sequence[torch.nn.Module] = ()) -> Bindings:
-    """The links from ``roots`` (``(name, object)``: modules, object arguments, what a wrapped
-    callable holds) to the tensors whose storage (``storage_of``) is in ``touched`` and to
-    ``modules`` (those the step ran); a link is kept only on a path that reaches one."""
+                  modules: Sequence[torch.nn.Module] = (), holders: Sequence[Tuple[str, Any]] = ()) -> Bindings:
+    """The links from ``roots`` (``(name, object)``: modules, object arguments) to the tensors whose
+    storage (``storage_of``) is in ``touched`` and to ``modules`` (those the step ran), and from
+    ``holders`` (what a wrapped callable holds: an engine, closure cells, globals) to those modules
+    and the tensors inside them (an engine's attention backend refreshes its own metadata every
+    step: its plain state is not the step's); a link is kept only on a path that reaches one."""
     finder = _Finder(touched, storage_of, {id(module) for module in modules})
     for name, root in roots:
+        finder.visit(root, name, 0)
+    finder.plain_tensors = False
+    for name, root in holders:
         finder.visit(root, name, 0)
     return Bindings(finder.gated, finder.live, finder.modules)
 
@@ -147,12 +152,14 @@ class _Finder:
         self.gated: List[Link] = []
         self.live: List[Link] = []
         self.modules: List[torch.nn.Module] = []  # the modules holding a link, in the order found
+        self.plain_tensors = True  # tensors reached outside modules count (object arguments: yes; holders: no)
         self.seen: Set[int] = set()
 
-    def visit(self, value: Any, path: str, depth: int) -> bool:
-        """Whether ``value`` is, or leads to, a touched tensor or a module that ran (its links appended)."""
+    def visit(self, value: Any, path: str, depth: int, inside_module: bool = False) -> bool:
+        """Whether ``value`` is, or leads to, a touched tensor or a module that ran (its links appended);
+        ``inside_module``: reached through a module's tables or attributes."""
         if isinstance(value, torch.Tensor):
-            return self.storage_of(value) in self.touched
+            return self.storage_of(value) in self.touched and (self.plain_tensors or inside_module)
         if id(value) in self.seen or depth > MAX_DEPTH:
             return id(value) in self.targets
         if isinstance(value, torch.nn.Module):
@@ -160,20 +167,20 @@ class _Finder:
             return self._module(value, path) or id(value) in self.targets
         if isinstance(value, (list, tuple, dict)) or hasattr(value, "__dict__") and not _opaque(value):
             self.seen.add(id(value))
-            return self._container(value, path, depth)
+            return self._container(value, path, depth, inside_module)
         return False
 
     def _module(self, module: torch.nn.Module, path: str) -> bool:
         found = False
         for table in (module._parameters, module._buffers, module._modules):
             for name, child in table.items():
-                if child is not None and self.visit(child, f"{path}.{name}", 0):
+                if child is not None and self.visit(child, f"{path}.{name}", 0, True):
                     self.gated.append(Link(table, name, child, f"{path}.{name}"))
                     found = True
         attributes = vars(module)
         for name, child in attributes.items():  # plain attributes: tensors and containers of them
             if not name.startswith("_") and isinstance(child, (torch.Tensor, list, tuple, dict)) and (
-                    self.visit(child, f"{path}.{name}", 1)):
+                    self.visit(child, f"{path}.{name}", 1, True)):
                 self.gated.append(Link(attributes, name, child, f"{path}.{name}"))
                 found = True
         if found:
@@ -181,9 +188,10 @@ class _Finder:
             self.modules.append(module)
         return found
 
-    def _container(self, value: Any, path: str, depth: int) -> bool:
+    def _container(self, value: Any, path: str, depth: int, inside_module: bool) -> bool:
         if isinstance(value, tuple):  # immutable: reached through the link that holds it
-            return any([self.visit(child, f"{path}[{index}]", depth + 1) for index, child in enumerate(value)])
+            return any([self.visit(child, f"{path}[{index}]", depth + 1, inside_module)
+                        for index, child in enumerate(value)])
         if isinstance(value, list):
             items, container, form = list(enumerate(value)), value, "{}[{}]"
         elif isinstance(value, dict):
@@ -191,7 +199,7 @@ class _Finder:
         else:
             items, container, form = list(vars(value).items()), vars(value), "{}.{}"
         found = [Link(container, key, child, form.format(path, key)) for key, child in items
-                 if self.visit(child, form.format(path, key), depth + 1)]
+                 if self.visit(child, form.format(path, key), depth + 1, inside_module and container is value)]
         if found:  # an object's attributes: read again after an assignment bumped the epoch, if its class allows
             watched = container is not value and watch_class(type(value))
             (self.gated if watched else self.live).extend(found)

@@ -65,13 +65,18 @@ class GuardSpec:
     fn: Any = None
 
     def roots(self) -> List[Tuple[str, Any]]:
-        """The object arguments and what ``fn`` holds: the objects the step reads through. Their
-        plain classes are watched (an assignment bumps the epoch and reaches the capture's journal)."""
-        roots = [*self.objects, *entry_roots(self.fn)]
-        for _, obj in roots:
+        """The object arguments and what ``fn`` holds: the objects the step reads through."""
+        return [*self.objects, *entry_roots(self.fn)]
+
+    def rebind_roots(self) -> List[Tuple[str, Any]]:
+        """What a captured step must not rebind or assign: the object arguments (and what they
+        hold) and the modules ``fn`` holds. An engine object's own bookkeeping (a call counter,
+        the metadata its attention backend refreshes each step) is its own business. The object
+        arguments' classes are watched: an assignment reaches the capture's journal, with its line."""
+        for _, obj in self.objects:
             if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__"):
                 watch_class(type(obj))
-        return roots
+        return [*self.objects, *((name, obj) for name, obj in entry_roots(self.fn) if isinstance(obj, torch.nn.Module))]
 
 
 def memory_of(tensor: torch.Tensor) -> int:
@@ -108,9 +113,9 @@ class KeyGuard:
         objects, entry = list(spec.objects), spec.roots()[len(spec.objects):]
         modules = observation.modules
         values = _values_read(spec.fn, observation)
-        roots = [*objects, *entry, *values, *((type(module).__name__, module) for module in modules)]
-        bindings = find_bindings(roots, touched - own, memory_of, modules)
-        plain_objects = [(name, obj) for name, obj in [*objects, *entry]
+        roots = [*objects, *((type(module).__name__, module) for module in modules)]
+        bindings = find_bindings(roots, touched - own, memory_of, modules, [*entry, *values])
+        plain_objects = [(name, obj) for name, obj in objects
                          if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__")]
         ran = {id(module) for module in modules}
         holders = [module for module in bindings.modules if id(module) not in ran]  # a ModuleList the step iterated
