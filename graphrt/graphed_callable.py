@@ -28,6 +28,7 @@ eagerly (``autograd``) so gradients flow; replays never record autograd.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -73,10 +74,15 @@ class SignatureStager:
     """Stages a call into the static slots of one layout (``CallSignature.stage``) and writes
     arguments the graph writes in place back into the caller's tensors."""
 
-    __slots__ = ("signature",)
+    __slots__ = ("signature", "_tensors")
 
     def __init__(self, signature: CallSignature) -> None:
         self.signature = signature
+        positions = signature.tensor_positions
+        if len(positions) > 1:
+            self._tensors = operator.itemgetter(*positions)
+        else:  # an itemgetter of one position returns the leaf itself
+            self._tensors = lambda leaves: tuple(leaves[position] for position in positions)
 
     def stage(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.stage(leaves, num_tokens)
@@ -94,9 +100,9 @@ class SignatureStager:
     def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
 
-    @staticmethod
-    def sources(leaves: List[Any]) -> List[torch.Tensor]:
-        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    def sources(self, leaves: List[Any]) -> Sequence[torch.Tensor]:
+        """The call's tensors (the aliasing guard reads their memory)."""
+        return self._tensors(leaves)
 
 
 class GraphedCallable:

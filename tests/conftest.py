@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -15,6 +18,37 @@ BACKENDS = [
     pytest.param(("emulated", "cpu"), id="emulated"),
     pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.cuda),
 ]
+
+
+class Faults:
+    """Fault injection for a test model, held as an object: flipping a fault is no change of the
+    model's state (a plain attribute its forward reads would be one, and the guards would run the
+    steps after it eagerly)."""
+
+    def __init__(self, capture_at=None):
+        self.capture_at = capture_at  # the batch size whose steps raise
+        self.now = False  # every step raises
+
+
+@contextmanager
+def python_runs(function, record):
+    """Appends ``function``'s name to ``record`` each time its code runs in the block. A profiler
+    sees it without changing the model: a hook registered on the model would be a change its
+    graphs' guards see (the calls after it would run eagerly, the hook included)."""
+    code = function.__code__
+    outer = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            record.append(code.co_name)
+        if outer is not None:
+            outer(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield record
+    finally:
+        sys.setprofile(outer)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -180,6 +180,8 @@ def _is_constant(value: Any) -> bool:
 
 
 def functions_that_ran(functions: Sequence[Any], observation: Observation) -> List[types.FunctionType]:
-    """Those of ``functions`` whose code ran in the observed step and holds closure cells."""
+    """Those of ``functions`` whose code ran in the observed step, holds closure cells and is the
+    model's own (a library's closures, its decorators' ``func``, are frozen like its globals)."""
     return [function for function in functions if isinstance(function, types.FunctionType)
-            and function.__closure__ and observation.ran(function.__code__)]
+            and function.__closure__ and observation.ran(function.__code__)
+            and is_user_file(function.__code__.co_filename)]

@@ -360,6 +360,11 @@ class CallSignature:
         return "args", "the call fits the signature"
 
     @property
+    def tensor_positions(self) -> Tuple[int, ...]:
+        """The positions of the tensor leaves among a call's leaves."""
+        return tuple(self._tensors)
+
+    @property
     def eager_reason(self) -> Optional[str]:
         """Why calls of this layout run eagerly whatever their size, else None: a tensor of a
         subclass other than ``nn.Parameter`` (``"tensor_subclass"``: its ``__torch_function__``
