@@ -153,11 +153,6 @@ def watch_class(cls: type) -> bool:
     return True
 
 
-def watched(cls: type) -> bool:
-    """Whether assignments to ``cls``'s objects bump the epoch."""
-    return issubclass(cls, torch.nn.Module) or getattr(cls.__setattr__, "_graphrt_bumps", False)
-
-
 def bump_after(cls: type, name: str) -> Optional[Callable[..., Any]]:
     """Make ``cls.name`` (a method defined on ``cls``) bump the epoch after it returns on a watched
     object; the method."""

@@ -98,6 +98,9 @@ class KeyGuard:
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
     epoch: int  # the state epoch the Python state was last seen unchanged at
 
+    def __post_init__(self) -> None:
+        self._holds = tuple(check.check() for check in self.live)  # bound once: one call per check per call
+
     @classmethod
     def capture(cls, spec: GuardSpec, observation: Optional[Observation], touched: Set[int], written: Set[int],
                 writes_inputs: bool, own: Set[int]) -> "KeyGuard":
@@ -142,13 +145,15 @@ class KeyGuard:
             failure = self.state_failure()
             if failure is not None:
                 return failure
-        for check in self.live:
-            if not check.holds():
-                return GuardFailure(*check.change())
+        for holds in self._holds:
+            if not holds():
+                return next(GuardFailure(*check.change()) for check in self.live if not check.holds())
         if self.check_aliases:
-            failure = self._aliased(sources(call))
-            if failure is not None:
-                return failure
+            memory = [tensor.untyped_storage().data_ptr() for tensor in sources(call) if tensor is not None]
+            if not self.touched.isdisjoint(memory) or self.check_pairs:
+                failure = self._aliased(memory)
+                if failure is not None:
+                    return failure
         if check_storage:
             self.check_storage()
         return None
@@ -168,8 +173,8 @@ class KeyGuard:
         ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
         return any(map(_requires_grad, self.bindings.tensors))
 
-    def _aliased(self, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[GuardFailure]:
-        memory = [tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None]
+    def _aliased(self, memory: List[int]) -> Optional[GuardFailure]:
+        """Why staged tensors at ``memory`` (their storages' addresses) cannot be staged apart, else None."""
         if not self.touched.isdisjoint(memory):
             index = next(index for index, address in enumerate(memory) if address in self.touched)
             return GuardFailure("aliased_inputs", f"staged tensor {index} shares memory with state the step reads "

@@ -9,6 +9,7 @@ whatever the model's depth.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -36,12 +37,13 @@ class Same:
 
     __slots__ = ("source", "get", "expected", "names", "what", "by_equality")
 
-    def __init__(self, source: Any, get: Callable[[Any], Tuple[Any, ...]], names: Sequence[str], what: str) -> None:
+    def __init__(self, source: Any, get: Optional[Callable[[Any], Sequence[Any]]], names: Sequence[str],
+                 what: str) -> None:
         self.source = source
-        self.get = get
+        self.get = get  # None: the source itself, a list compared whole with a copy (no tuple built per call)
         self.names = tuple(names)
         self.what = what  # how a name reads in words: "global {}", "{}" (a path)
-        self.expected = get(source)
+        self.expected = list(source) if get is None else get(source)
         self.by_equality = _by_equality(self.expected)
 
     @classmethod
@@ -49,7 +51,7 @@ class Same:
         """The entries ``container[key]`` (a dict or list) at ``keys``."""
         keys = tuple(keys)
         if isinstance(container, list) and keys == tuple(range(len(container))):
-            return cls(container, tuple, names, what)  # the whole list, its length included
+            return cls(container, None, names, what)  # the whole list, its length included
         if len(keys) == 1:  # itemgetter of one key returns the value itself: ask for it twice
             keys, names = keys * 2, tuple(names) * 2
         return cls(container, operator.itemgetter(*keys), names, what)
@@ -60,11 +62,22 @@ class Same:
         names = [f"{name} (closure of {function.__qualname__})" for name in function.__code__.co_freevars]
         return cls(function.__closure__, _cells, names, "{}")
 
+    def check(self) -> Callable[[], bool]:
+        """A callable of no argument that says whether the check holds: for a whole list compared by
+        equality, ``list == copy`` itself (no Python frame per call), else ``holds``."""
+        if self.get is None and self.by_equality:
+            return functools.partial(operator.eq, self.source, self.expected)
+        return self.holds
+
     def holds(self) -> bool:
-        try:
-            now = self.get(self.source)
-        except (KeyError, IndexError, ValueError):  # an entry deleted, an emptied cell
-            return False
+        get = self.get
+        if get is None:
+            now = self.source
+        else:
+            try:
+                now = get(self.source)
+            except (KeyError, IndexError, ValueError):  # an entry deleted, an emptied cell
+                return False
         if self.by_equality:
             return now == self.expected
         return len(now) == len(self.expected) and all(map(_is, now, self.expected))
@@ -72,7 +85,7 @@ class Same:
     def change(self) -> Tuple[str, str]:
         """``(reason, words)``: the first name whose value changed."""
         try:
-            now: Optional[Tuple[Any, ...]] = self.get(self.source)
+            now: Optional[Sequence[Any]] = self.source if self.get is None else self.get(self.source)
         except (KeyError, IndexError, ValueError):
             now = None
         if now is None or len(now) != len(self.expected):
@@ -86,14 +99,6 @@ class Same:
                 return "python_state", f"{words} {then!r} -> {value!r}"
             return "rebound_state", f"{words} is bound to another object than at capture"
         return "rebound_state", f"{self.what.format(self.names[0])} changed"
-
-
-def changed(checks: Sequence[Same]) -> Optional[Same]:
-    """The first check that does not hold, else None."""
-    for check in checks:
-        if not check.holds():
-            return check
-    return None
 
 
 def global_checks(scopes: Sequence[Tuple[dict, Tuple[str, ...]]]) -> List[Same]:

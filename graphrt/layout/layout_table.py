@@ -1,9 +1,9 @@
 """LayoutTable: the call layouts one wrapped function has seen, each with graphs of its own.
 
 A call layout is a CallSignature (argument structure, non-batch dims, dtypes, constants) under
-one global state (a ``graphrt.guards.StateWatch`` token: autocast, ``training`` flags), so a call
-under autocast, or after ``model.eval()``, gets graphs of its own instead of replaying ones
-captured under another state. A call is matched against the layout used last (steady decode pays one match, as with a single
+one global state (a ``graphrt.guards.StateWatch`` token: autocast, and the number of the Python
+state its calls are in), so a call under autocast, or after ``model.eval()`` or an adapter switch,
+gets graphs of its own instead of replaying ones captured under another state. A call is matched against the layout used last (steady decode pays one match, as with a single
 layout); on a miss, one dict lookup on the call's positional count and keyword names finds the
 few layouts that could fit, most recent first. A call that fits none refines one of them (a
 batch axis decided, see CallSignature.refine) or opens a new layout.
