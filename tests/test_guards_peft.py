@@ -44,9 +44,10 @@ def adapter_states(model):
 
     return [
         ("disable_adapter", disable, lambda: disabled.pop().__exit__(None, None, None)),
-        ("set_adapter", lambda: model.set_adapter("other"), lambda: model.set_adapter("default")),
         ("merge_adapter", model.merge_adapter, model.unmerge_adapter),
         ("scale_layer", lambda: scale_layers(model, 3.0), lambda: scale_layers(model, None)),
+        # last: PEFT holds ["default"] at first and "default" once set again, another state than the first
+        ("set_adapter", lambda: model.set_adapter("other"), lambda: model.set_adapter("default")),
     ]
 
 
@@ -65,7 +66,7 @@ def test_wrap_of_a_lora_model_gives_eager_logits_in_every_adapter_state():
 
     def check():
         expected = model(input_ids=ids, use_cache=False).logits
-        for _ in range(3):
+        for _ in range(2):
             torch.testing.assert_close(fast(input_ids=ids, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)
         return expected
 
@@ -78,9 +79,11 @@ def test_wrap_of_a_lora_model_gives_eager_logits_in_every_adapter_state():
             # unmerged path would add it twice); the other states change the logits
             assert torch.allclose(logits, first, atol=1e-4) is (name == "merge_adapter"), name
             leave()
+            runs = fast.stats()["graph_runs"]
             torch.testing.assert_close(fast(input_ids=ids, use_cache=False).logits, first, rtol=1e-5, atol=1e-5)
-    failures = " | ".join(fast.stats()["guard_failures"])
-    assert "python_state:" in failures and fast.stats()["graph_runs"] >= 12
+            if name != "set_adapter":
+                assert fast.stats()["graph_runs"] == runs + 1, f"the first graphs replay again after {name}"
+    assert "python_state:" in " | ".join(fast.stats()["guard_failures"])
 
 
 class LoraPaged(ToyPagedModel):
@@ -122,30 +125,33 @@ def test_a_runner_with_lora_layers_runs_eagerly_with_the_reason_in_another_adapt
 
 def test_graph_generate_of_a_peft_model_replays_and_follows_adapter_switches():
     """PeftModel.generate() calls the base model's generate(), which calls the base model's forward:
-    graph_generate wraps that one, and each adapter state gets eager's tokens."""
+    graph_generate wraps that one, and each adapter state gets eager's tokens (merge and scale are
+    covered through wrap() and GraphRunner above)."""
     model = lora_llama()
     reference = copy.deepcopy(model)
     inputs = family_inputs("llama", batch=2)
     options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 
-    def same_tokens(name):
+    def same_tokens(name, calls=1):
         expected = reference.generate(**inputs, **options, cache_implementation="static")
-        for _ in range(2):
+        for _ in range(calls):
             assert torch.equal(model.generate(**inputs, **options), expected), name
 
     with torch.no_grad():
         fast = graphrt.hf.graph_generate(model, max_batch_size=4)
-        same_tokens("default adapter")
+        same_tokens("default adapter", calls=2)  # the second call replays
         replayed = fast.stats()["graph_runs"]
         assert replayed > 0
         for (name, enter, leave), (_, enter_reference, leave_reference) in zip(adapter_states(model),
                                                                               adapter_states(reference)):
+            if name not in ("disable_adapter", "set_adapter"):
+                continue
             enter()
             enter_reference()
             same_tokens(name)
             leave()
             leave_reference()
-        same_tokens("default adapter again")
+        same_tokens("default adapter again")  # its graphs replay again
     assert fast.stats()["graph_runs"] > replayed
 
 
