@@ -98,6 +98,21 @@ def decode_batch(batch_size: int, device: str = "cpu", seed: int = 0, **override
     return ForwardBatch(**fields)
 
 
+def captured_runner(model, **options):
+    """A GraphRunner of ``model`` with one key (4 rows, emulated backend), captured without a failure."""
+    from graphrt import GraphRunner
+
+    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[4], backend="emulated", progress=False, **options)
+    assert not runner.capture().failed
+    return runner
+
+
+def eager_step(model, batch):
+    """``model`` on ``batch`` eagerly, as a runner's eager path calls it."""
+    with torch.no_grad():
+        return model(batch.input_ids, batch.positions, batch)
+
+
 def pad_batch(batch: ForwardBatch, padded: int, scratch: int = SCRATCH_SLOT) -> ForwardBatch:
     """The same batch padded eagerly the way the runner pads (ids/positions 0, seq_lens 1,
     out_cache_loc the scratch slot, req_pool_indices the dummy request 0)."""

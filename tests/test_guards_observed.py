@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from conftest import ToyPagedModel, decode_batch
+from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
 from torch import nn
 
 from graphrt import GraphRunner, wrap
@@ -126,17 +126,6 @@ class PagedEngine:
         return self.model(input_ids, positions, forward_batch)
 
 
-def captured_runner(model, **options):
-    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[4], backend="emulated", progress=False, **options)
-    assert not runner.capture().failed
-    return runner
-
-
-def eager(model, batch):
-    with torch.no_grad():
-        return model(batch.input_ids, batch.positions, batch)
-
-
 def test_a_runner_engine_given_another_model_runs_it():
     engine = PagedEngine(ToyPagedModel())
     runner = captured_runner(engine)
@@ -144,7 +133,7 @@ def test_a_runner_engine_given_another_model_runs_it():
     engine.model = ToyPagedModel()
     reference = copy.deepcopy(engine.model)
     batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch))
+    assert torch.equal(runner(batch), eager_step(reference, batch))
     stats = runner.stats()
     assert stats["eager_reasons"] == {"rebound_state": 1}, stats["guard_failures"]
     assert any("PagedEngine.model" in detail for detail in stats["guard_failures"])
@@ -268,7 +257,7 @@ def test_a_runner_names_the_python_value_that_changed():
     model.scale = 4.0
     reference = copy.deepcopy(model)
     batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch))
+    assert torch.equal(runner(batch), eager_step(reference, batch))
     stats = runner.stats()
     assert stats["eager_reasons"] == {"python_state": 1}
     assert "python_state: ScaledPaged.scale 1.0 -> 4.0" in stats["guard_failures"]
@@ -458,10 +447,10 @@ def test_a_runner_model_cast_to_bfloat16_runs_eagerly_until_recapture():
     model.to(torch.bfloat16)
     reference = copy.deepcopy(model)
     batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch))
+    assert torch.equal(runner(batch), eager_step(reference, batch))
     assert runner.stats()["eager_reasons"] == {"module_moved": 1}
     runner.recapture()
-    assert torch.equal(runner(batch), eager(reference, batch)) and runner.stats()["graph_runs"] == 1
+    assert torch.equal(runner(batch), eager_step(reference, batch)) and runner.stats()["graph_runs"] == 1
 
 
 # ---- 8. autograd ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ToyPagedModel, decode_batch
+from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from hf_helpers import family_inputs, tiny_model  # noqa: E402
 
 import graphrt  # noqa: E402
-from graphrt import GraphRunner, wrap  # noqa: E402
+from graphrt import wrap  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, init_lora_weights=False)  # random A and B: an adapter that changes the output
 
@@ -102,13 +102,11 @@ def test_a_runner_with_lora_layers_runs_eagerly_with_the_reason_in_another_adapt
     model = LoraPaged()
     peft.inject_adapter_in_model(peft.LoraConfig(target_modules=["head"], **LORA), model)
     layer = model.head
-    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[4], backend="emulated", progress=False)
-    assert not runner.capture().failed
+    runner = captured_runner(model)
     batch = decode_batch(4)
 
     def expected():
-        with torch.no_grad():
-            return copy.deepcopy(model)(batch.input_ids, batch.positions, batch)
+        return eager_step(copy.deepcopy(model), batch)
 
     with torch.no_grad():
         first = runner(batch).clone()
