@@ -149,9 +149,9 @@ class KeyGuard:
             if not holds():
                 return next(GuardFailure(*check.change()) for check in self.live if not check.holds())
         if self.check_aliases:
-            memory = [tensor.untyped_storage().data_ptr() for tensor in sources(call) if tensor is not None]
-            if not self.touched.isdisjoint(memory) or self.check_pairs:
-                failure = self._aliased(memory)
+            tensors = sources(call)
+            if self.check_pairs or self._shares_state(tensors):
+                failure = self._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None])
                 if failure is not None:
                     return failure
         if check_storage:
@@ -172,6 +172,15 @@ class KeyGuard:
         """Whether a tensor the step read through its bindings requires grad now (grad-mode calls:
         ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
         return any(map(_requires_grad, self.bindings.tensors))
+
+    def _shares_state(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Whether a staged tensor's memory is state the step reads or writes (a loop that stops at
+        the first: no list built on the common path)."""
+        touched = self.touched
+        for tensor in tensors:
+            if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                return True
+        return False
 
     def _aliased(self, memory: List[int]) -> Optional[GuardFailure]:
         """Why staged tensors at ``memory`` (their storages' addresses) cannot be staged apart, else None."""
