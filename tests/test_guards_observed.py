@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import random
+import sys
 
 import pytest
 import torch
@@ -137,6 +138,26 @@ def test_a_runner_engine_given_another_model_runs_it():
     stats = runner.stats()
     assert stats["eager_reasons"] == {"rebound_state": 1}, stats["guard_failures"]
     assert any("PagedEngine.model" in detail for detail in stats["guard_failures"])
+
+
+def test_a_capture_under_cprofile_still_sees_the_modules_and_leaves_the_profiler_on():
+    """A C profiler cannot be chained: the modules are seen through a forward pre-hook instead."""
+    import cProfile
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        with torch.no_grad():
+            calls(fast, x)
+            model.eval()
+            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+        assert sys.getprofile() is profiler
+    finally:
+        profiler.disable()
+    assert "training:" in failures(fast)
 
 
 # ---- 2. module structure --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import logging
 import os
 import sys
 import sysconfig
@@ -30,6 +31,8 @@ _LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.realpath(path), "") for name 
                                                                                     "platlib")
                               if (path := sysconfig.get_paths().get(name))}))
 MAX_CHAIN = 4  # wrappers followed from the wrapped callable (partial of a bound method of ...)
+logger = logging.getLogger(__name__)
+_warned_profiler = False
 
 
 def is_user_file(filename: str) -> bool:
@@ -61,12 +64,16 @@ class Observation:
 
 
 def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
-    """Run ``step`` once, seeing what it runs; its result and the observation. A profiler already
-    set (cProfile, a debugger) keeps getting its events."""
+    """Run ``step`` once, seeing what it runs; its result and the observation. A Python profiler
+    already set (a debugger's) keeps getting its events; under a C profiler (``cProfile``), which
+    cannot be chained, the modules are seen through a global forward pre-hook instead, and the
+    functions and globals not at all (logged once)."""
+    outer = sys.getprofile()
+    if outer is not None and not callable(outer):
+        return _observe_modules(step)
     observation = Observation()
     seen: Set[int] = set()
     modules, codes, all_codes = observation.modules, observation.codes, observation.ran_codes
-    outer = sys.getprofile()
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "call":
@@ -88,6 +95,29 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         result = step()
     finally:
         sys.setprofile(outer)
+    return result, observation
+
+
+def _observe_modules(step: Callable[[], Any]) -> Tuple[Any, Observation]:
+    """``observe`` under a C profiler: the modules called, through a global forward pre-hook."""
+    global _warned_profiler
+    if not _warned_profiler:
+        _warned_profiler = True
+        logger.info("a C profiler (cProfile) is active: graphrt sees the modules a captured step runs through a "
+                    "forward pre-hook, and does not guard the globals and closure variables its code reads")
+    observation = Observation()
+    seen: Set[int] = set()
+
+    def called(module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            observation.modules.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(called)
+    try:
+        result = step()
+    finally:
+        handle.remove()
     return result, observation
 
 
