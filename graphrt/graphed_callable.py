@@ -371,7 +371,7 @@ class GraphedCallable:
             if other is layout or other.state is None or other.signature.family() != family:
                 continue
             guards = [entry.guard for entry in other.graphs.registry.entries.values() if entry.guard is not None]
-            if guards and guards[0].state_failure() is None:
+            if guards and guards[0].holds_now():
                 logger.info("wrap(): the Python state is back to that of layout %d; its graphs replay", other.number)
                 self._watch.set_variant(other.state[1])
                 return

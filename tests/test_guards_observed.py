@@ -570,3 +570,23 @@ def test_an_input_with_the_batch_dim_inside_replays_and_one_eager_refuses_keeps_
             with pytest.raises(RuntimeError, match="view"):
                 viewing(x)
     assert viewing.stats()["graph_runs"] == 0
+
+
+def test_a_third_value_of_a_closure_variable_gets_graphs_of_its_own():
+    """Three values in turn: each gets graphs, and a value seen before replays its own (a layout
+    whose module state matches but whose closure does not is no match)."""
+    linear = nn.Linear(8, 8)
+    scale = 1.0
+
+    def step(x):
+        return linear(x) * scale
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for value in (1.0, 3.0, 5.0, 3.0):
+            scale = value
+            assert all(torch.equal(fast(x), linear(x) * value) for _ in range(3))
+        runs = fast.stats()["graph_runs"]
+        assert torch.equal(fast(x), linear(x) * 3.0) and fast.stats()["graph_runs"] == runs + 1
+    assert len(fast.stats()["layouts"]) == 3

@@ -168,6 +168,11 @@ class KeyGuard:
         self.epoch = now
         return None
 
+    def holds_now(self) -> bool:
+        """Whether the Python state of now is this key's (its state read again, its live checks),
+        the call's tensors aside: a front looking for graphs of the state it is back in."""
+        return self.state_failure() is None and all(holds() for holds in self._holds)
+
     def reads_grad(self) -> bool:
         """Whether a tensor the step read through its bindings requires grad now (grad-mode calls:
         ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
