@@ -36,7 +36,7 @@ from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.compiled import eager_stance
 from graphrt.debug import GenerationCounter
 from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
-from graphrt.layout.rebind_guard import RebindGuard
+from graphrt.guards import observed_run, python_state_kept
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphRegistry
 
@@ -242,14 +242,19 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     outputs (so tensors inside dataclasses are refreshed too); the structure goes on the entry
     to rebuild results. A leaf that is neither a tensor, a plain constant nor a passed-through
     argument object fails the capture with a message naming it. A step that rebinds the state of
-    its guard's roots (the model's modules, object arguments) fails it too (``RebindError``), each
-    binding put back."""
-    roots = entry.guard_spec.roots if entry.guard_spec is not None else ()
+    its guard's roots (object arguments, what the wrapped callable holds) or assigns an attribute
+    of any module or watched object fails it too (``RebindError``), each binding put back. The
+    first run is observed (graphrt.guards.observe): what it ran is what the key's guard checks."""
+    roots = entry.guard_spec.rebind_roots() if entry.guard_spec is not None else ()
+    entry.observation = None
 
     def run() -> List[Any]:
         leaves: List[Any] = []
-        with RebindGuard(roots):
-            outputs = entry.step()
+        if entry.observation is None:
+            outputs, entry.observation = observed_run(entry.step, roots)
+        else:
+            with python_state_kept(roots):
+                outputs = entry.step()
         structure = flatten(outputs, leaves)
         for path, leaf in zip(leaf_paths(structure, "output"), leaves):
             if not isinstance(leaf, torch.Tensor) and not is_plain_constant(leaf) and id(leaf) not in entry.passthrough:

@@ -19,7 +19,7 @@ import torch
 from graphrt.backends import CapturedGraph, another_capture_error
 from graphrt.batch import ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
-from graphrt.guards import GuardSpec, KeyGuard
+from graphrt.guards import GuardSpec, KeyGuard, Observation
 from graphrt.layout.tensor_tree import unflatten
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,12 @@ class EagerReason(str, enum.Enum):
     # Guards (graphrt.guards): the key was captured under another state than the call's.
     AUTOCAST = "autocast"  # GraphRunner: autocast differs from capture (wrap(): graphs of its own)
     TRAINING = "training"  # GraphRunner: a module's training flag differs from capture (wrap(): graphs of its own)
-    REBOUND_STATE = "rebound_state"  # a tensor the graph reads through an attribute was rebound since capture
+    PYTHON_STATE = "python_state"  # GraphRunner: a Python value the step read changed (wrap(): graphs of its own)
+    HOOKS = "hooks"  # GraphRunner: forward hooks added or removed on a module the step ran (wrap(): graphs of its own)
+    MODULE_MOVED = "module_moved"  # a tensor the graph reads changed dtype, device or memory (to(), half(), ...)
+    REBOUND_STATE = "rebound_state"  # a tensor or module the step reached through an attribute was rebound
     ALIASED_INPUTS = "aliased_inputs"  # staged tensors share memory with each other or with state the step uses
+    TENSOR_SUBCLASS = "tensor_subclass"  # wrap(): an argument is a tensor subclass (its __torch_function__ runs)
 
 
 StaticInputs = TypeVar("StaticInputs")
@@ -188,6 +192,7 @@ class GraphEntry(Generic[StaticInputs]):
     reads_grad: bool = True  # whether the captured step read a tensor that requires grad (True until captured)
     guard_spec: Optional[GuardSpec] = None  # the front's state watch and binding roots (None: no guard)
     guard: Optional[KeyGuard] = None  # the state the graph was captured under, checked per call (set when READY)
+    observation: Optional[Observation] = field(default=None, repr=False)  # what the captured step ran
 
     def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
         """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the

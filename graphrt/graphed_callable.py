@@ -28,6 +28,7 @@ eagerly (``autograd``) so gradients flow; replays never record autograd.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -44,7 +45,7 @@ from graphrt.backends.state_journal import storage_key
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
-from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
+from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.padding_rows import checked_pad_values, padding_refusal, positional_names
@@ -78,10 +79,15 @@ class SignatureStager:
     """Stages a call into the static slots of one layout (``CallSignature.stage``) and writes
     arguments the graph writes in place back into the caller's tensors."""
 
-    __slots__ = ("signature",)
+    __slots__ = ("signature", "_tensors")
 
     def __init__(self, signature: CallSignature) -> None:
         self.signature = signature
+        positions = signature.tensor_positions
+        if len(positions) > 1:
+            self._tensors = operator.itemgetter(*positions)
+        else:  # an itemgetter of one position returns the leaf itself
+            self._tensors = lambda leaves: tuple(leaves[position] for position in positions)
 
     def stage(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.stage(leaves, num_tokens)
@@ -99,9 +105,9 @@ class SignatureStager:
     def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
 
-    @staticmethod
-    def sources(leaves: List[Any]) -> List[torch.Tensor]:
-        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    def sources(self, leaves: List[Any]) -> Sequence[torch.Tensor]:
+        """The call's tensors (the aliasing guard reads their memory)."""
+        return self._tensors(leaves)
 
 
 class GraphedCallable:
@@ -147,7 +153,8 @@ class GraphedCallable:
         self.layouts: LayoutTable[LayoutGraphs] = LayoutTable(
             max_batch_size, max_signatures, CHURN_LIMIT, self._graphs_for, self._drop_graphs)
         self._grad_warned = False
-        self._watch = StateWatch(module_roots(fn))
+        self._watch = StateWatch()
+        self._variants = 0  # Python states seen (wrap() keeps layouts per state: StateWatch.variant)
         self._positional_names = positional_names(fn)
         self.pad_values = checked_pad_values(pad_values, fn)
         if not all(isinstance(tensor, torch.Tensor) for tensor in scratch_state):
@@ -188,31 +195,21 @@ class GraphedCallable:
     def _graphs_for(self, signature: CallSignature) -> LayoutGraphs:
         """A new layout's registry (one key per capture size, pending), captured through the backend
         of the device its tensors live on."""
-        # Modules passed as arguments run in the step: their training flags are part of the call's state.
-        translate = self._watch.watch_also(module_roots(*(obj for _, obj in signature.objects)))
-        if translate is not None:
-            self._restate(translate)
         signature.name_arguments(self._positional_names)
         if self.pad_values:
             signature.set_pad_values(self.pad_values)
-        capture = self._capture_for(signature.leaves[signature.batch_leaf].device)
+        off_reason = signature.eager_reason
+        capture = None if off_reason else self._capture_for(signature.leaves[signature.batch_leaf].device)
         registry = GraphRegistry(self.copy_outputs, self.debug, None if capture is None else capture.pool_replays)
         if capture is not None:
             stager = SignatureStager(signature)
             registry.add_grid(MODE, SizeGrid.for_decode(self.capture_sizes),
                               lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
-        return LayoutGraphs(registry, capture)
-
-    def _restate(self, translate: Callable[[Any], Any]) -> None:
-        """The state watch took in a module in training mode: the states layouts and captured keys
-        were opened under, re-expressed in the new terms, so each still serves its calls."""
-        self.layouts.restate(translate)
-        for layout in self.layouts.layouts.values():
-            if layout.graphs is None:
-                continue  # the layout being opened: its graphs are made after this
-            for entry in layout.graphs.registry.entries.values():
-                if entry.guard is not None:
-                    entry.guard.state = translate(entry.guard.state)
+        graphs = LayoutGraphs(registry, capture)
+        if off_reason:
+            graphs.off_reason = EagerReason(off_reason)
+            logger.info("wrap(): calls of layout %s run eagerly (%s)", signature.layout(), off_reason)
+        return graphs
 
     def _capture_for(self, device: torch.device) -> Optional[KeyCapture]:
         """The capture of layouts whose tensors live on ``device``: with ``backend="auto"`` CUDA
@@ -247,7 +244,7 @@ class GraphedCallable:
 
         entry = GraphEntry(key, None, step, passthrough=frozenset(id(obj) for _, obj in objects), stager=stager,
                            count=self._stats.record_graph,
-                           guard_spec=GuardSpec.of(self._watch, objects))
+                           guard_spec=GuardSpec(self._watch, objects, self.fn))
         return entry
 
     @staticmethod
@@ -295,58 +292,66 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
         with self._lock, step_lock():  # no step while another thread captures, where torch needs it
-            state = self._watch.token()
-            layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
-            if batch_size:
-                self._stats.record_size(MODE, batch_size)
-            autograd = torch.is_grad_enabled()
-            if autograd and requires_grad(leaves):
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            if layout is None:
-                return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
-            graphs = layout.graphs
-            if graphs.capture is None:
-                return self._run_eager(graphs.off_reason, layout, batch_size, args, kwargs)
-            if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
-            reason = decision.reason
-            padded = None if decision.entry is None else decision.entry.key.num_tokens
-            if layout.signature.tentative and padded is not None and batch_size != padded:
-                reason = EagerReason.AMBIGUOUS_BATCH_AXIS
-            elif reason is EagerReason.NOT_CAPTURED:
-                return self._warm_up_or_record(layout, decision.entry, batch_size, leaves, args, kwargs)
-            elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
-                # Another size padded to a key whose capture failed: a key of its own, warmed up first.
-                entry = self._exact_size_entry(layout, batch_size)
-                return self._warm_up_or_record(layout, entry, batch_size, leaves, args, kwargs)
-            if reason is not None:
-                return self._run_eager(reason, layout, batch_size, args, kwargs)
-            if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
-                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
-            return self._replay(decision.entry, state, layout, batch_size, leaves, args, kwargs)
+            return self._call(args, kwargs, True)
+
+    def _call(self, args: tuple, kwargs: dict, may_switch: bool) -> Any:
+        """One call (the lock held); ``may_switch``: a guard failure of a Python state that may have
+        been seen before switches to that state's layouts and dispatches the call once more."""
+        state = self._watch.token()
+        layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
+        if batch_size:
+            self._stats.record_size(MODE, batch_size)
+        autograd = torch.is_grad_enabled()
+        if autograd and requires_grad(leaves):
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        if layout is None:
+            return self._run_eager(EagerReason.SHAPE_MISMATCH, layout, batch_size, args, kwargs)
+        graphs = layout.graphs
+        if graphs.capture is None:
+            return self._run_eager(graphs.off_reason, layout, batch_size, args, kwargs)
+        if autograd and graphs.autograd:  # eager outputs carry history (parameters that require grad)
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
+        reason = decision.reason
+        padded = None if decision.entry is None else decision.entry.key.num_tokens
+        if layout.signature.tentative and padded is not None and batch_size != padded:
+            reason = EagerReason.AMBIGUOUS_BATCH_AXIS
+        elif reason is EagerReason.NOT_CAPTURED:
+            return self._warm_up_or_record(layout, decision.entry, state, batch_size, leaves, args, kwargs)
+        elif reason is EagerReason.CAPTURE_FAILED and batch_size != padded:
+            # Another size padded to a key whose capture failed: a key of its own, warmed up first.
+            entry = self._exact_size_entry(layout, batch_size)
+            return self._warm_up_or_record(layout, entry, state, batch_size, leaves, args, kwargs)
+        if reason is not None:
+            return self._run_eager(reason, layout, batch_size, args, kwargs)
+        if autograd and graphs.autograd is None:  # whether eager outputs carry history: see once
+            return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
+        return self._replay(decision.entry, state, layout, batch_size, leaves, args, kwargs, may_switch)
 
     def _replay(self, entry: GraphEntry, state: Any, layout: Layout[LayoutGraphs], batch_size: int,
-                leaves: List[Any], args: tuple, kwargs: dict) -> Any:
+                leaves: List[Any], args: tuple, kwargs: dict, may_switch: bool = False) -> Any:
         """Replay ``entry`` for this call if its guard holds (graphrt.guards), else run eagerly."""
         guard = entry.guard
         if guard is not None:
             failure = guard.failure(state, entry.stager.sources, leaves, self.debug)
             if failure is not None:
-                return self._guard_failed(failure, layout, batch_size, args, kwargs)
+                return self._guard_failed(failure, layout, batch_size, args, kwargs, may_switch)
+            if torch.is_grad_enabled() and guard.reads_grad():  # requires_grad set since capture
+                return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
         if not self._grad_warned and torch.is_grad_enabled():
             self._warn_grad_mode()
         return replay_or_eager(entry, leaves, batch_size, batch_size, self._run_eager, layout, batch_size, args, kwargs)
 
-    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, batch_size: int,
+    def _warm_up_or_record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, state: Any, batch_size: int,
                            leaves: List[Any], args: tuple, kwargs: dict) -> Any:
         """A size's first calls are its warm-up, run eagerly as the real step; the next records
         on its staged inputs (the recording's writes undone) and replays once for its output."""
         graphs = layout.graphs
         warm_calls = graphs.warm_calls.get(entry.key, 0)
         if warm_calls < self.warmup_iters:  # a real call, on the caller's stream
-            graphs.warm_calls[entry.key] = warm_calls + 1
-            return self._warm_up(layout, batch_size, leaves, args, kwargs)
+            outputs = self._warm_up(layout, batch_size, leaves, args, kwargs)
+            graphs.warm_calls[entry.key] = warm_calls + 1  # only once it returned: a raising step never records
+            return outputs
         padded = entry.key.num_tokens
         if batch_size != padded and not graphs.registry.seen_other_size(entry.key):
             # Recording now could not tell which output dims to cut: learn them from this real step.
@@ -364,8 +369,7 @@ class GraphedCallable:
         decision = graphs.registry.lookup(MODE, batch_size, batch_size, KeyKind.CALL)
         if decision.reason is not None:  # outputs that cannot be cut; the recording's writes were undone
             return self._run_eager(decision.reason, layout, batch_size, args, kwargs)
-        # Read again: the call that opened its layout may have taken a module argument into the watch.
-        return self._replay(entry, self._watch.token(), layout, batch_size, leaves, args, kwargs)
+        return self._replay(entry, state, layout, batch_size, leaves, args, kwargs)
 
     def _warm_up(self, layout: Layout[LayoutGraphs], batch_size: int, leaves: List[Any], args: tuple,
                  kwargs: dict) -> Any:
@@ -382,14 +386,20 @@ class GraphedCallable:
         return outputs
 
     def _guard_failed(self, failure: GuardFailure, layout: Layout[LayoutGraphs], batch_size: int, args: tuple,
-                      kwargs: dict) -> Any:
-        """A key's guard failed: this call runs eagerly with the failure's reason. A rebound tensor
-        gives the layout fresh graphs, recorded on later calls on what is bound now, unless its
-        last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few calls,
-        as beam search's cache reorder does): then its calls run eagerly from now on."""
+                      kwargs: dict, may_switch: bool = False) -> Any:
+        """A key's guard failed. A Python state that can come back (``training``, an attribute, the
+        hooks: ``RECURRING``) switches the calls to that state's layouts, those of a state seen before
+        whose guards hold now or new ones, and dispatches this call there. A rebound tensor or module,
+        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now, unless
+        its last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few
+        calls, as beam search's cache reorder does): then its calls run eagerly from now on. Other
+        failures run this call eagerly with the failure's reason."""
         reason = EagerReason(failure.reason)
         self._stats.record_guard_failure(f"{failure.reason}: {failure.detail}")
-        if reason is EagerReason.REBOUND_STATE:
+        if failure.reason in RECURRING and may_switch:
+            self._switch_state(layout)
+            return self._call(args, kwargs, False)
+        if reason in (EagerReason.REBOUND_STATE, EagerReason.MODULE_MOVED):
             graphs = layout.graphs
             replays = sum(entry.hits for entry in graphs.registry.entries.values())
             if replays >= CHURN_LIMIT:
@@ -403,6 +413,23 @@ class GraphedCallable:
                 graphs.capture, graphs.off_reason = None, reason
                 graphs.registry.clear()
         return self._run_eager(reason, layout, batch_size, args, kwargs)
+
+    def _switch_state(self, layout: Layout[LayoutGraphs]) -> None:
+        """Calls go to the layouts of the Python state of now: a state seen before if a captured key
+        of a layout like ``layout`` (same family) holds there, else a new one (its layouts are
+        opened, warmed up and recorded on the next calls, bounded by ``max_signatures``)."""
+        family = layout.signature.family()
+        for other in reversed(self.layouts.layouts.values()):
+            if other is layout or other.state is None or other.signature.family() != family:
+                continue
+            guards = [entry.guard for entry in other.graphs.registry.entries.values() if entry.guard is not None]
+            if guards and guards[0].holds_now():
+                logger.info("wrap(): the Python state is back to that of layout %d; its graphs replay", other.number)
+                self._watch.set_variant(other.state[1])
+                return
+        self._variants += 1
+        logger.info("wrap(): Python state %d: calls get graphs of their own", self._variants)
+        self._watch.set_variant(self._variants)
 
     def recapture(self) -> None:
         """Drop every layout's graphs: each records them again on its next calls, on the tensors
@@ -431,7 +458,7 @@ class GraphedCallable:
         capture = layout.graphs.capture
         expected = layout.graphs.outside_reads  # refuse a per-call tensor read from outside (a global context)
         watch = None if expected is None else refuse_changed_reads(set(layout.signature.slot_paths()), expected,
-                                                                    entry.guard_spec.roots)
+                                                                    entry.guard_spec.roots())
         with capture.backend.capture_session():  # one warm-up at the padded shape first, its writes undone
             return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch)
 
@@ -447,7 +474,7 @@ class GraphedCallable:
         if graphs.exact_sizes is not None or real >= size:
             return False
         why, error = padding_refusal(self.fn, layout.signature, leaves, real, size, self.scratch_storages,
-                                     entry.guard_spec.roots)
+                                     entry.guard_spec.rebind_roots())
         if why is None:
             return False
         if error is not None and rows != size:  # as its capture would have failed: the call's size gets a graph

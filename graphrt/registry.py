@@ -207,9 +207,11 @@ class GraphRegistry:
         if entry.guard_spec is not None:  # the graph's own memory: its static slots and its outputs
             own: List[Any] = list(graph.outputs)
             flatten(entry.static_inputs, own)
-            entry.guard = KeyGuard.capture(entry.guard_spec, touched, {memory for _, memory in written},
+            entry.guard = KeyGuard.capture(entry.guard_spec, entry.observation, touched,
+                                           {memory for _, memory in written},
                                            bool(entry.written_inputs),
                                            {memory_of(leaf) for leaf in own if isinstance(leaf, torch.Tensor)})
+        entry.observation = None  # what the guard needs of it is kept there
         entry.cuts.clear()
         self.axes.observe(_axes_group(key), key.num_tokens, key.num_reqs, entry.output_structure, graph.outputs)
         self._set_cut(entry, key.num_tokens, key.num_reqs, list(graph.outputs))

@@ -31,7 +31,7 @@ from graphrt.config import RunnerConfig
 from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batch_for, with_context
 from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.forward_context import use_batch
-from graphrt.guards import GuardFailure, GuardSpec, StateWatch, module_roots
+from graphrt.guards import GuardFailure, GuardSpec, StateWatch
 from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
@@ -94,8 +94,8 @@ class GraphRunner:
         self._add_multistep_keys()
         self._ubatch = self._make_ubatch()
         self.piecewise = self._add_piecewise_keys()
-        self._watch = StateWatch(module_roots(model))
-        self._guard_spec = GuardSpec.of(self._watch)
+        self._watch = StateWatch()
+        self._guard_spec = GuardSpec(self._watch, fn=model)
         self._guard_entries()
         self._guard_warned: Set[str] = set()
         self.dispatcher = Dispatcher(self.registry, self.context, graphs_enabled=self.backend_name != "eager",

@@ -167,11 +167,14 @@ class InputBufferManager:
         is_static: bool = True,
         axis: RowAxis = RowAxis.TOKENS,
         pad_value: float = 0,
+        strides: Optional[Tuple[int, ...]] = None,
     ) -> InputSlot:
-        """Allocate the static tensor for ``name`` once; re-registering replaces the slot."""
+        """Allocate the static tensor for ``name`` once; re-registering replaces the slot.
+        ``strides``: the slot has these strides (a caller's strided tensor, mirrored), not from the pool."""
         if name in self.slots:
             self._free(self.slots.pop(name).tensor)
-        slot = InputSlot(name, spec, self._allocate(spec), axis=axis, pad_value=pad_value, is_static=is_static)
+        tensor = self._allocate(spec) if strides is None else self._allocate_strided(spec, strides)
+        slot = InputSlot(name, spec, tensor, axis=axis, pad_value=pad_value, is_static=is_static)
         self.slots[name] = slot
         return slot
 
@@ -242,6 +245,14 @@ class InputBufferManager:
             if self.pool is not None:
                 return self.pool.allocate(spec)
             return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
+
+    @staticmethod
+    def _allocate_strided(spec: BufferSpec, strides: Tuple[int, ...]) -> torch.Tensor:
+        """A slot with the given (non-overlapping) strides, over memory of its own."""
+        needed = 1 + sum((size - 1) * stride for size, stride in zip(spec.shape, strides)) if all(spec.shape) else 0
+        with torch.inference_mode(False):
+            memory = torch.zeros(needed, dtype=spec.dtype, device=spec.device, pin_memory=spec.pin_memory)
+            return memory.as_strided(spec.shape, strides)
 
     def _free(self, tensor: torch.Tensor) -> None:
         if self.pool is not None:

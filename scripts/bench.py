@@ -43,6 +43,7 @@ from bench_floor import (
     one_op_runners,
     wrap_floor,
 )
+from bench_guards import DEPTHS, format_guards, guard_scaling, guard_summary
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
     PRESETS,
@@ -353,6 +354,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
                           settings.warmup)
         multistep = run_multistep(settings, config, rng)
     hf = hf_summary(settings)
+    guards = guards_summary(settings)
     load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
     batches = [dataclasses.asdict(result) for result in results]
@@ -373,7 +375,9 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "capture": capture_summary(report, backend),
         "batches": batches,
         "floor": {"wrap": wrap_doc,
-                  "targets": floor_targets(batches, wrap_doc["costs"], piecewise["steps"] if piecewise else [])},
+                  "targets": {**floor_targets(batches, wrap_doc["costs"], piecewise["steps"] if piecewise else []),
+                              **({"guards": guard_summary(guards["costs"])} if "costs" in guards else {})}},
+        "guards": guards,
         "throughput": {
             **dataclasses.asdict(throughput),
             "eager_tokens_per_s": throughput.eager_tokens_per_s,
@@ -402,6 +406,19 @@ def hf_summary(settings: Settings) -> Dict[str, Any]:
     return dataclasses.asdict(result)
 
 
+def guards_summary(settings: Settings) -> Dict[str, Any]:
+    """The guards' per-call cost on a tiny HF Llama at growing depths (bench_guards), or why it was skipped
+    (``--quick``: 2 and 8 layers only)."""
+    if not settings.hf:
+        return {"skipped": "--no-hf"}
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    depths = DEPTHS[:2] if settings.quick else DEPTHS
+    timed = guard_scaling(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
+                          settings.warmup, depths)
+    return dataclasses.asdict(timed)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the report, write ``<out>/bench_<device>_<model>.json`` and ``.png``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -428,6 +445,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")
     hf = doc["hf_generate"]
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
+    guards = doc["guards"]
+    print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(format_guards(guards)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     print("\n".join(format_targets(doc["floor"]["targets"])))

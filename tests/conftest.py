@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -15,6 +18,37 @@ BACKENDS = [
     pytest.param(("emulated", "cpu"), id="emulated"),
     pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.cuda),
 ]
+
+
+class Faults:
+    """Fault injection for a test model, held as an object: flipping a fault is no change of the
+    model's state (a plain attribute its forward reads would be one, and the guards would run the
+    steps after it eagerly)."""
+
+    def __init__(self, capture_at=None):
+        self.capture_at = capture_at  # the batch size whose steps raise
+        self.now = False  # every step raises
+
+
+@contextmanager
+def python_runs(function, record):
+    """Appends ``function``'s name to ``record`` each time its code runs in the block. A profiler
+    sees it without changing the model: a hook registered on the model would be a change its
+    graphs' guards see (the calls after it would run eagerly, the hook included)."""
+    code = function.__code__
+    outer = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            record.append(code.co_name)
+        if outer is not None:
+            outer(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield record
+    finally:
+        sys.setprofile(outer)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,6 +96,21 @@ def decode_batch(batch_size: int, device: str = "cpu", seed: int = 0, **override
     )
     fields.update(overrides)
     return ForwardBatch(**fields)
+
+
+def captured_runner(model, **options):
+    """A GraphRunner of ``model`` with one key (4 rows, emulated backend), captured without a failure."""
+    from graphrt import GraphRunner
+
+    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[4], backend="emulated", progress=False, **options)
+    assert not runner.capture().failed
+    return runner
+
+
+def eager_step(model, batch):
+    """``model`` on ``batch`` eagerly, as a runner's eager path calls it."""
+    with torch.no_grad():
+        return model(batch.input_ids, batch.positions, batch)
 
 
 def pad_batch(batch: ForwardBatch, padded: int, scratch: int = SCRATCH_SLOT) -> ForwardBatch:

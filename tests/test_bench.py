@@ -158,7 +158,16 @@ def check_floor_and_load(doc: dict, printed: str) -> None:
     assert set(floor["wrap"]["costs"]) == WRAP_COSTS
     check_costs(floor["wrap"]["costs"].values())
     targets = floor["targets"]
-    assert {name: summary["target"] for name, summary in targets.items()} == TARGETS
+    guards = doc["guards"]
+    if "skipped" in guards:  # no transformers: the guards-by-depth line is skipped, saying why
+        assert f"guards by depth: skipped, {guards['skipped']}" in printed
+        assert {name: summary["target"] for name, summary in targets.items()} == TARGETS
+    else:  # --quick: 2 and 8 layers, each front; one figure against 0.5 per front and depth
+        assert list(guards["costs"]) == [f"{front}, {layers} layers" for layers in (2, 8)
+                                         for front in ("graph_generate", "wrap()")]
+        check_costs(guards["costs"].values())
+        assert {name: summary["target"] for name, summary in targets.items()} == {**TARGETS, "guards": 0.5}
+        assert len(targets["guards"]["medians"]) == 4 and "as the model deepens" in printed
     assert len(targets["runner"]["medians"]) == len(targets["runner_metadata_only"]["medians"]) == 2  # batch sizes
     for summary in targets.values():
         assert summary["within_target"] == all(each == "yes" for each in summary["verdicts"])
@@ -252,8 +261,9 @@ def test_hf_compile_peer_that_cannot_run_is_reported(monkeypatch):
 
 def test_no_plot_writes_no_png(bench, tmp_path):
     doc = run_bench(bench, tmp_path, "--backend", "emulated", "--device", "cpu", "--no-plot", "--batch-sizes", "2",
-                    "--piecewise-tokens", "")
+                    "--piecewise-tokens", "", "--no-hf")
     assert not list(tmp_path.glob("*.png"))
+    assert doc["guards"] == {"skipped": "--no-hf"}
     assert doc["piecewise"] is None and doc["settings"]["piecewise_tokens"] == []
 
 

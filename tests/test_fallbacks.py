@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToyPagedModel, decode_batch, static_checksums
+from conftest import Faults, ToyPagedModel, decode_batch, static_checksums
 
 from graphrt import EagerReason, ForwardMode, GraphRunner, wrap
 from graphrt.entry import GraphStatus
@@ -16,11 +16,10 @@ class FlakyModel(ToyPagedModel):
 
     def __init__(self, fail_capture_at=None):
         super().__init__()
-        self.fail_capture_at = fail_capture_at
-        self.fail_now = False
+        self.faults = Faults(fail_capture_at)
 
     def forward(self, input_ids, positions, forward_batch):
-        if input_ids.shape[0] == self.fail_capture_at or self.fail_now:
+        if input_ids.shape[0] == self.faults.capture_at or self.faults.now:
             raise RuntimeError("simulated failure")
         return super().forward(input_ids, positions, forward_batch)
 
@@ -36,7 +35,7 @@ def test_capture_failure_disables_one_key_and_others_keep_replaying():
     report = runner.capture()
     assert [key.num_reqs for key in report.failed] == [4]
     assert "simulated failure" in next(iter(report.failed.values()))
-    model.fail_capture_at = None
+    model.faults.capture_at = None
     for batch_size, expected in ((3, "eager"), (4, "eager"), (5, "graph"), (2, "graph"), (1, "graph")):
         batch = decode_batch(batch_size, seed=batch_size)
         before = runner.stats()["graph_runs"]
@@ -57,11 +56,11 @@ def test_replay_failure_reruns_eagerly_and_disables_only_a_key_eager_serves():
         raise RuntimeError("simulated failure")
 
     runner.registry.entries[key].graph.replay = failing_replay
-    model.fail_now = True
+    model.faults.now = True
     with pytest.raises(RuntimeError, match="simulated failure"):
         runner(decode_batch(3, seed=1))  # replay raised, the eager re-run raised too: the error surfaces
     assert runner.registry.entries[key].status is GraphStatus.READY, "eager failed too: the input was at fault"
-    model.fail_now = False
+    model.faults.now = False
     runner(decode_batch(3, seed=2))  # replay raised where eager succeeds: the graph is at fault
     assert runner.registry.entries[key].status is GraphStatus.DISABLED
     runner(decode_batch(3, seed=3))
@@ -98,7 +97,7 @@ def test_every_eager_reason_is_reachable_and_counted():
     flaky = FlakyModel(fail_capture_at=2)
     failing = runner_for(flaky)
     failing.capture()
-    flaky.fail_capture_at = None
+    flaky.faults.capture_at = None
     failing(decode_batch(2, seed=1))
     eager = GraphRunner(ToyPagedModel(), max_batch_size=8, backend="eager", progress=False)
     eager(decode_batch(2, seed=1))
@@ -114,6 +113,7 @@ def test_every_eager_reason_is_reachable_and_counted():
     seen |= {"unsliceable_output", "ambiguous_batch_axis"}  # tests/test_wrap_signatures.py
     seen |= {"verify_failed"}  # tests/test_verify.py
     seen |= {"autocast", "training", "rebound_state", "aliased_inputs"}  # tests/test_guards_runner.py
+    seen |= {"python_state", "hooks", "module_moved", "tensor_subclass"}  # tests/test_guards_observed.py
     assert seen == {reason.value for reason in EagerReason}
 
 

@@ -12,22 +12,11 @@ import copy
 
 import pytest
 import torch
-from conftest import ToyPagedModel, decode_batch
+from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
 from torch import nn
 
 from graphrt import GraphRunner
 from graphrt.guards import StaleStateError
-
-
-def captured_runner(model, **options):
-    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[4], backend="emulated", progress=False, **options)
-    assert not runner.capture().failed
-    return runner
-
-
-def eager(model, batch):
-    with torch.no_grad():
-        return model(batch.input_ids, batch.positions, batch)
 
 
 class DropoutModel(ToyPagedModel):
@@ -48,13 +37,13 @@ def test_a_step_under_autocast_runs_eagerly_with_its_reason():
     batch = decode_batch(4)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         out = runner(batch)
-        expected = eager(reference, batch)
+        expected = eager_step(reference, batch)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
     stats = runner.stats()
     assert stats["eager_reasons"] == {"autocast": 1} and stats["graph_runs"] == 0
     assert any("autocast cpu bfloat16" in detail for detail in stats["guard_failures"])
     with torch.no_grad():
-        assert torch.equal(runner(batch), eager(reference, batch)) and runner.stats()["graph_runs"] == 1
+        assert torch.equal(runner(batch), eager_step(reference, batch)) and runner.stats()["graph_runs"] == 1
 
 
 class Engine:
@@ -76,10 +65,10 @@ def test_eval_after_a_train_capture_runs_eagerly_until_recapture(holder):
     model.eval()
     reference.eval()
     batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch))
+    assert torch.equal(runner(batch), eager_step(reference, batch))
     assert runner.stats()["eager_reasons"] == {"training": 1}
     runner.recapture()
-    assert torch.equal(runner(batch), eager(reference, batch)) and runner.stats()["graph_runs"] == 1
+    assert torch.equal(runner(batch), eager_step(reference, batch)) and runner.stats()["graph_runs"] == 1
 
 
 def test_a_runner_captured_under_inference_mode_replays_under_no_grad():
@@ -91,9 +80,9 @@ def test_a_runner_captured_under_inference_mode_replays_under_no_grad():
     for seed in range(3):
         batch = decode_batch(4, seed=seed)
         with torch.no_grad():
-            assert torch.equal(runner(batch), eager(reference, batch))
+            assert torch.equal(runner(batch), eager_step(reference, batch))
         with torch.inference_mode():
-            assert torch.equal(runner(batch), eager(reference, batch))
+            assert torch.equal(runner(batch), eager_step(reference, batch))
     assert runner.stats()["graph_runs"] == 6 and runner.stats()["eager_runs"] == 0
 
 
@@ -104,12 +93,12 @@ def test_a_rebound_state_tensor_runs_eagerly_until_recapture():
     model.kv = torch.zeros_like(model.kv)  # a new cache: the graph holds the old one
     reference.kv = torch.zeros_like(reference.kv)
     batch = decode_batch(4)
-    assert torch.equal(runner(batch), eager(reference, batch)) and torch.equal(model.kv, reference.kv)
+    assert torch.equal(runner(batch), eager_step(reference, batch)) and torch.equal(model.kv, reference.kv)
     assert runner.stats()["eager_reasons"] == {"rebound_state": 1}
     assert any("ToyPagedModel.kv" in detail for detail in runner.stats()["guard_failures"])
     runner.recapture()
     batch = decode_batch(4, seed=1)
-    assert torch.equal(runner(batch), eager(reference, batch)) and torch.equal(model.kv, reference.kv)
+    assert torch.equal(runner(batch), eager_step(reference, batch)) and torch.equal(model.kv, reference.kv)
     assert runner.stats()["graph_runs"] == 1
 
 
@@ -130,7 +119,7 @@ def test_a_field_sharing_memory_with_written_state_runs_eagerly():
     runner = captured_runner(model)
     reference = copy.deepcopy(model)
     batch = decode_batch(4, out_cache_loc=model.used[10:14])
-    expected = eager(reference, decode_batch(4, out_cache_loc=reference.used[10:14]))
+    expected = eager_step(reference, decode_batch(4, out_cache_loc=reference.used[10:14]))
     assert torch.equal(runner(batch), expected) and torch.equal(model.used, reference.used)
     assert runner.stats()["eager_reasons"] == {"aliased_inputs": 1}
 
@@ -143,7 +132,7 @@ def test_debug_mode_names_a_parameter_whose_memory_was_swapped():
     with pytest.raises(StaleStateError, match="ToyPagedModel.proj"):
         runner(decode_batch(4))
     runner.recapture()
-    assert torch.equal(runner(decode_batch(4)).clone(), eager(copy.deepcopy(model), decode_batch(4)))
+    assert torch.equal(runner(decode_batch(4)).clone(), eager_step(copy.deepcopy(model), decode_batch(4)))
 
 
 def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():

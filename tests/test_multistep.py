@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import static_checksums
+from conftest import python_runs, static_checksums
 from faithful_helpers import rng_state, same_rng_state, set_rng_state
 from multistep_helpers import TableAttentionModel, TableEngine, eager_steps, pad_launch, sample, state
 
@@ -132,8 +132,8 @@ def test_the_models_python_does_not_run_during_a_multi_step_replay():
     model = TableAttentionModel()
     runner = table_runner(model)
     calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(args))
-    runner.decode(TableEngine(model, 4).launch(STEPS), STEPS)
+    with python_runs(type(model).forward, calls):
+        runner.decode(TableEngine(model, 4).launch(STEPS), STEPS)
     assert calls == [] and runner.stats()["multi_step_runs"] == 1
 
 

@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from conftest import python_runs
 from fake_cuda import BEHAVIOURS, install
 from multistep_helpers import eager_steps
 
@@ -86,11 +87,11 @@ def replays_only(model, runner):
     """``runner.decode``, asserting that the model's ``forward`` does not run during it (the prefill's
     eager run is forgotten first); and the list of calls seen, for other hooks to append to."""
     calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append("forward"))
 
     def decode(batch, steps):
         calls.clear()
-        tokens = runner.decode(batch, steps)
+        with python_runs(type(model).forward, calls):
+            tokens = runner.decode(batch, steps)
         assert calls == [], f"the model's Python ran during a multi-step replay: {calls}"
         return tokens
 

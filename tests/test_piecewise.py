@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import python_runs
 from piecewise_helpers import PIECEWISE_SIZES, VarlenSetup
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -71,19 +72,16 @@ def check_random_steps(setup: VarlenSetup, seed: int) -> None:
 
 def test_only_the_splitting_op_runs_at_replay(setup):
     model_calls = []
-    hook = setup.model.register_forward_pre_hook(lambda module, args: model_calls.append(1))
-    try:
-        batch = setup.step_batch(random.Random(10), max_reqs=3)
-        counter = OpCounter(VARLEN_OP)
-        with counter:
-            run_eager(setup.model, batch)
-        assert model_calls and counter.calls == setup.model.config.num_layers  # the probes see an eager step
-        model_calls.clear()
-        counter = OpCounter(VARLEN_OP)
-        with counter:
-            setup.runner(setup.step_batch(random.Random(11), max_reqs=3))
-    finally:
-        hook.remove()
+    forward = type(setup.model).forward
+    batch = setup.step_batch(random.Random(10), max_reqs=3)
+    counter = OpCounter(VARLEN_OP)
+    with counter, python_runs(forward, model_calls):
+        run_eager(setup.model, batch)
+    assert model_calls and counter.calls == setup.model.config.num_layers  # the probes see an eager step
+    model_calls.clear()
+    counter = OpCounter(VARLEN_OP)
+    with counter, python_runs(forward, model_calls):
+        setup.runner(setup.step_batch(random.Random(11), max_reqs=3))
     assert model_calls == [], "the model's forward ran during a piecewise replay"
     assert counter.calls == setup.model.config.num_layers  # once per call site (one per layer)
 

@@ -23,8 +23,9 @@ def test_a_rebound_attribute_names_its_class_and_the_generic_advice():
     for _ in range(2):  # a warm-up, then the refused recording
         fast(torch.ones(2, 3), state)
     (reason,) = fast.stats()["failed_keys"].values()
-    assert reason.startswith("RebindError: args[1].calls: the step rebinds it (now a int) instead of writing in place "
-                             f"(state of a {CountingState.__module__}.CountingState);")
+    assert reason.startswith("RebindError: args[1].calls: the step assigns it (1 -> 2, at ")
+    assert "test_rebind_messages.py:18 in step)" in reason
+    assert f"(state of a {CountingState.__module__}.CountingState);" in reason
     assert reason.endswith("Use an object updated in place, or pass its tensors as arguments")
     assert state.calls == 2
 

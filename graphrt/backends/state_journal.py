@@ -25,6 +25,8 @@ it is seen, and ``restore()`` sets them back, so a block leaves every generator 
 from __future__ import annotations
 
 import logging
+import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -164,19 +166,33 @@ def passed_generators(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) ->
 
 
 class GeneratorStates:
-    """Saved states of generators, to set them back: a block's random draws undone."""
+    """Saved states of generators, to set them back: a block's random draws undone. Python's
+    ``random`` and numpy's global generator (when numpy is imported) are saved too: a step's
+    Python may draw from them (LayerDrop written with ``random.random()``)."""
 
     def __init__(self) -> None:
         self._saved: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}
+        self._host: List[Tuple[Callable[[Any], Any], Any]] = []  # (setter, state) of Python's and numpy's
 
     def save(self, generator: torch.Generator) -> None:
         """Remember ``generator``'s state unless it is already saved (the first state wins)."""
         if id(generator) not in self._saved:
             self._saved[id(generator)] = (generator, generator.get_state())
 
+    def save_host(self) -> None:
+        """Remember Python's and numpy's global generators, unless saved already."""
+        if self._host:
+            return
+        self._host.append((random.setstate, random.getstate()))
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            self._host.append((numpy.random.set_state, numpy.random.get_state()))
+
     def put_back(self) -> None:
         for generator, state in self._saved.values():
             generator.set_state(state)
+        for set_state, state in self._host:
+            set_state(state)
 
     def explicit(self) -> List[torch.Generator]:
         """The saved generators that are not a default one (a step's own generators)."""
@@ -221,6 +237,7 @@ class StateJournal(TorchDispatchMode):
     def __enter__(self) -> "StateJournal":
         for generator in default_generators():
             self.generators.save(generator)
+        self.generators.save_host()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol

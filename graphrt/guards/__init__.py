@@ -1,12 +1,17 @@
 """Guards: a graph replays only under the state it was captured for (docs/ARCHITECTURE.md, "Guards").
 
-``StateWatch`` reads the global state of a call (autocast, ``training`` flags), ``find_bindings``
-the paths a step read its tensors through, and ``KeyGuard`` checks both, and aliasing, per call.
+``observe`` sees what a step runs at capture; ``KeyGuard`` keeps the state of what it ran (modules,
+their attributes and hooks, the bindings to its tensors, the globals and closure cells it read)
+and checks it per call at one integer compare (the state ``epoch``) while nothing changed;
+``StateWatch`` reads autocast; ``AssignmentJournal`` refuses a step that changes Python state.
 """
 
+from graphrt.guards.assignments import AssignmentJournal, observed_run, python_state_kept
 from graphrt.guards.bindings import Bindings, find_bindings
-from graphrt.guards.global_state import StateWatch, autocast_state, module_roots
-from graphrt.guards.key_guard import GuardFailure, GuardSpec, KeyGuard, Sources, StaleStateError, memory_of
+from graphrt.guards.global_state import StateWatch, autocast_state
+from graphrt.guards.key_guard import RECURRING, GuardFailure, GuardSpec, KeyGuard, Sources, StaleStateError, memory_of
+from graphrt.guards.observe import Observation, observe
 
-__all__ = ["Bindings", "GuardFailure", "GuardSpec", "KeyGuard", "Sources", "StaleStateError", "StateWatch",
-           "autocast_state", "find_bindings", "memory_of", "module_roots"]
+__all__ = ["RECURRING", "AssignmentJournal", "Bindings", "GuardFailure", "GuardSpec", "KeyGuard", "Observation",
+           "Sources", "StaleStateError", "StateWatch", "autocast_state", "find_bindings", "memory_of", "observe",
+           "observed_run", "python_state_kept"]

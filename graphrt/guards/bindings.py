@@ -1,50 +1,32 @@
-"""Bindings: the attribute paths through which a recorded step read its tensors, checked per call.
+"""Bindings: the paths through which a recorded step reached its tensors and modules, checked per call.
 
-A graph keeps the tensors (CUDA: the addresses) its step read. A model that later binds another
-tensor at one of those paths (``layer.keys = keys.index_select(0, beams)``, ``m.weight =
-nn.Parameter(...)``) is not seen by a replay, which would go on reading the old tensor. At
-capture, ``find_bindings`` walks the roots a step reads through (the model's modules, object
-arguments) to the tensors it touched, and keeps every link of those paths; per call,
-``Bindings.rebound`` says which path now holds another object.
+A graph keeps the tensors (CUDA: the addresses) its step read and runs the modules it ran. A
+model that later binds another object at one of those paths (``layer.keys =
+keys.index_select(0, beams)``, ``m.weight = nn.Parameter(...)``, ``engine.model = other_model``,
+``cache.layers[0] = ...``) is not seen by a replay, which would go on with the old one. At
+capture, ``find_bindings`` walks the roots a step reads through (the modules it ran, object
+arguments, what the wrapped callable holds) to the tensors it touched and the modules it ran,
+and keeps every link of those paths.
 
-Links inside modules' ``_parameters``, ``_buffers`` and ``_modules`` change only through
-``Module.__setattr__``/``register_*``, which run torch's global registration hooks: they are read
-again only after such a hook ran (one integer compare per call otherwise). Plain attributes and
-containers (a cache's ``layers`` list, a layer's ``keys``) are compared on every call.
+Links held by a module (its tables and attributes) or by an object whose class graphrt watches
+(graphrt.guards.epoch.watch_class) change only through ``__setattr__`` or torch's registration
+APIs, which bump the state epoch: they are read again only after it moved. Links held by lists
+and dicts are compared on every call, one C-level pass per container (graphrt.guards.live_checks).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
+import functools
+import types
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-# Registrations of parameters, buffers and submodules into the modules some graph reads through
-# (``WATCHED``), made in this process since graphrt started counting.
-REGISTRATIONS = [0]
-WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+from graphrt.guards.epoch import watch, watch_class
+from graphrt.guards.live_checks import Same
+
 MAX_DEPTH = 4  # containers followed below an object argument, as RebindGuard
 _MISSING = object()
-_installed: List[Any] = []
-
-
-def count_registrations() -> None:
-    """Bump ``REGISTRATIONS`` on every parameter, buffer and submodule (re)bound into a watched
-    module (idempotent). Modules a forward builds and fills (a ``ModuleList`` slice) are not
-    watched, so they cost one set lookup; code torch.compile traces counts nothing (a global it
-    reads would be guarded on, and bumping it would recompile every call)."""
-    if _installed:
-        return
-
-    def bump(module: torch.nn.Module, *_: Any) -> None:
-        if not torch.compiler.is_compiling() and module in WATCHED:
-            REGISTRATIONS[0] += 1
-
-    hooks = torch.nn.modules.module
-    _installed.extend([hooks.register_module_parameter_registration_hook(bump),
-                       hooks.register_module_buffer_registration_hook(bump),
-                       hooks.register_module_module_registration_hook(bump)])
 
 
 class Link(NamedTuple):
@@ -57,39 +39,74 @@ class Link(NamedTuple):
 
 
 class Bindings:
-    """The links a step's tensors were reached through; ``rebound()`` per call."""
+    """The links a step's tensors and modules were reached through: ``rebound()`` after the epoch
+    moved, ``live`` (one check per list or dict) on every call."""
 
-    def __init__(self, plain: Sequence[Link], registered: Sequence[Link]) -> None:
-        self.plain = tuple(plain)
-        self.registered = tuple(registered)
-        self._seen_registrations = REGISTRATIONS[0]
-        self._storages = [(link, link.expected.untyped_storage().data_ptr())
-                          for link in (*self.registered, *self.plain) if isinstance(link.expected, torch.Tensor)]
+    def __init__(self, gated: Sequence[Link], live: Sequence[Link], modules: Sequence[torch.nn.Module] = ()) -> None:
+        self.gated = tuple(gated)
+        self.modules = list(modules)  # the modules holding a link (their submodule tables change by the hooks' APIs)
+        by_container: Dict[int, Tuple[Any, List[Link]]] = {}
+        for link in live:
+            by_container.setdefault(id(link.container), (link.container, []))[1].append(link)
+        self.live = [Same.items(container, [link.key for link in links], [link.path for link in links])
+                     for container, links in by_container.values()]
+        links = (*self.gated, *live)
+        self._tensors = [(link, _where(link.expected)) for link in links if isinstance(link.expected, torch.Tensor)]
 
-    def rebound(self) -> Optional[str]:
-        """The first path whose link now holds another object than at capture, else None."""
-        for link in self.plain:
-            if _bound(link) is not link.expected:
-                return link.path
-        if REGISTRATIONS[0] != self._seen_registrations:
-            for link in self.registered:
-                if _bound(link) is not link.expected:
-                    return link.path
-            self._seen_registrations = REGISTRATIONS[0]
+    def rebound(self) -> Optional[Tuple[str, str]]:
+        """``(reason, words)`` for the first link held by a module or watched object that now holds
+        another object, or a tensor moved (dtype, device, memory), else None."""
+        for link in self.gated:
+            bound = _bound(link)
+            if bound is not link.expected:
+                return rebound(link.path, link.expected, bound)
+        for link, (address, dtype, device) in self._tensors:
+            tensor = link.expected
+            if tensor.dtype != dtype or tensor.device != device:
+                return "module_moved", (f"{link.path} {_dtype(dtype)} on {device} -> {_dtype(tensor.dtype)} on "
+                                        f"{tensor.device} (the graph reads the memory of before the move)")
+            if _address(tensor) != address:
+                return "module_moved", f"{link.path}: its memory was swapped (the graph reads the memory of before)"
         return None
 
     def swapped_storage(self) -> Optional[str]:
-        """Debug mode: the first tensor read through these paths whose memory is not the captured
-        one (``param.data = other``: a graph goes on reading the captured memory), else None."""
-        for link, pointer in self._storages:
-            if link.expected.untyped_storage().data_ptr() != pointer:
+        """Debug mode, every call: the first tensor read through these paths whose memory is not
+        the captured one (``param.data = other``: a graph goes on reading the captured memory)."""
+        for link, (address, _, _) in self._tensors:
+            if _address(link.expected) != address:
                 return link.path
         return None
 
     @property
     def memory(self) -> Set[int]:
         """The addresses of the memory of the tensors these paths reach."""
-        return {pointer for _, pointer in self._storages}
+        return {address for _, (address, _, _) in self._tensors}
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        return [link.expected for link, _ in self._tensors]
+
+
+def rebound(path: str, then: Any, now: Any) -> Tuple[str, str]:
+    """``(reason, words)`` for ``path`` bound to ``now`` instead of ``then``: a tensor of another
+    dtype or device (``module.to()`` rebinds buffers) is a move, anything else a rebinding."""
+    if isinstance(then, torch.Tensor) and isinstance(now, torch.Tensor) and (
+            then.dtype != now.dtype or then.device != now.device):
+        return "module_moved", (f"{path} {_dtype(then.dtype)} on {then.device} -> {_dtype(now.dtype)} on "
+                                f"{now.device} (the graph reads the memory of before the move)")
+    return "rebound_state", f"{path} is bound to another object than at capture"
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _where(tensor: torch.Tensor) -> Tuple[int, torch.dtype, torch.device]:
+    return _address(tensor), tensor.dtype, tensor.device
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _bound(link: Link) -> Any:
@@ -99,71 +116,93 @@ def _bound(link: Link) -> Any:
     return container[link.key] if link.key < len(container) else _MISSING
 
 
+def _opaque(value: Any) -> bool:
+    """Objects not walked: functions, classes, Python modules, and graphrt's own runtime objects (a
+    GraphedCallable an engine holds: its static slots are no state of the model's)."""
+    if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, functools.partial)):
+        return True
+    module = type(value).__module__
+    return module.startswith("graphrt.") and not module.startswith(("graphrt.reference", "graphrt.hf"))
+
+
 StorageOf = Callable[[torch.Tensor], Any]
 
 
-def find_bindings(roots: Sequence[Tuple[str, Any]], touched: Set[Any], storage_of: StorageOf) -> Bindings:
-    """The links from ``roots`` (``(name, object)``: modules or object arguments) to the tensors
-    whose storage (``storage_of``) is in ``touched``; a link is kept only on a path that reaches one."""
-    plain: List[Link] = []
-    registered: List[Link] = []
-    seen: Set[int] = set()
-    finder = _Finder(touched, storage_of, plain, registered, seen)
+def find_bindings(roots: Sequence[Tuple[str, Any]], touched: Set[Any], storage_of: StorageOf,
+                  modules: Sequence[torch.nn.Module] = (), holders: Sequence[Tuple[str, Any]] = ()) -> Bindings:
+    """The links from ``roots`` (``(name, object)``: modules, object arguments) to the tensors whose
+    storage (``storage_of``) is in ``touched`` and to ``modules`` (those the step ran), and from
+    ``holders`` (what a wrapped callable holds: an engine, closure cells, globals) to those modules
+    and the tensors inside them (an engine's attention backend refreshes its own metadata every
+    step: its plain state is not the step's); a link is kept only on a path that reaches one."""
+    finder = _Finder(touched, storage_of, {id(module) for module in modules})
     for name, root in roots:
         finder.visit(root, name, 0)
-    return Bindings(plain, registered)
+    finder.plain_tensors = False
+    for name, root in holders:
+        finder.visit(root, name, 0)
+    return Bindings(finder.gated, finder.live, finder.modules)
 
 
 class _Finder:
-    """A depth-first walk that appends the links of every path reaching a touched tensor."""
+    """A depth-first walk that appends the links of every path reaching a touched tensor or a module that ran."""
 
-    def __init__(self, touched: Set[Any], storage_of: StorageOf, plain: List[Link], registered: List[Link],
-                 seen: Set[int]) -> None:
-        self.touched, self.storage_of = touched, storage_of
-        self.plain, self.registered, self.seen = plain, registered, seen
+    def __init__(self, touched: Set[Any], storage_of: StorageOf, targets: Set[int]) -> None:
+        self.touched, self.storage_of, self.targets = touched, storage_of, targets
+        self.gated: List[Link] = []
+        self.live: List[Link] = []
+        self.modules: List[torch.nn.Module] = []  # the modules holding a link, in the order found
+        self.plain_tensors = True  # tensors reached outside modules count (object arguments: yes; holders: no)
+        self.seen: Set[int] = set()
 
-    def visit(self, value: Any, path: str, depth: int) -> bool:
-        """Whether ``value`` is, or leads to, a touched tensor (its links appended)."""
+    def visit(self, value: Any, path: str, depth: int, inside_module: bool = False) -> bool:
+        """Whether ``value`` is, or leads to, a touched tensor or a module that ran (its links appended);
+        ``inside_module``: reached through a module's tables or attributes."""
         if isinstance(value, torch.Tensor):
-            return self.storage_of(value) in self.touched
+            return self.storage_of(value) in self.touched and (self.plain_tensors or inside_module)
         if id(value) in self.seen or depth > MAX_DEPTH:
-            return False
+            return id(value) in self.targets
         if isinstance(value, torch.nn.Module):
             self.seen.add(id(value))
-            return self._module(value, path)
-        if isinstance(value, (list, tuple, dict)) or hasattr(value, "__dict__") and not callable(value):
+            return self._module(value, path) or id(value) in self.targets
+        if isinstance(value, (list, tuple, dict)) or hasattr(value, "__dict__") and not _opaque(value):
             self.seen.add(id(value))
-            return self._container(value, path, depth)
+            return self._container(value, path, depth, inside_module)
         return False
 
     def _module(self, module: torch.nn.Module, path: str) -> bool:
         found = False
         for table in (module._parameters, module._buffers, module._modules):
             for name, child in table.items():
-                if child is not None and self.visit(child, f"{path}.{name}", 0):
-                    self.registered.append(Link(table, name, child, f"{path}.{name}"))
-                    WATCHED.add(module)
+                if child is not None and self.visit(child, f"{path}.{name}", 0, True):
+                    self.gated.append(Link(table, name, child, f"{path}.{name}"))
                     found = True
-        for name, child in vars(module).items():  # plain attributes: tensors and containers of them
+        attributes = vars(module)
+        for name, child in attributes.items():  # plain attributes: tensors and containers of them
             if not name.startswith("_") and isinstance(child, (torch.Tensor, list, tuple, dict)) and (
-                    self.visit(child, f"{path}.{name}", 1)):
-                self.plain.append(Link(vars(module), name, child, f"{path}.{name}"))
+                    self.visit(child, f"{path}.{name}", 1, True)):
+                self.gated.append(Link(attributes, name, child, f"{path}.{name}"))
                 found = True
+        if found:
+            watch(module)
+            self.modules.append(module)
         return found
 
-    def _container(self, value: Any, path: str, depth: int) -> bool:
+    def _container(self, value: Any, path: str, depth: int, inside_module: bool) -> bool:
         if isinstance(value, tuple):  # immutable: reached through the link that holds it
-            return any([self.visit(child, f"{path}[{index}]", depth + 1) for index, child in enumerate(value)])
+            return any([self.visit(child, f"{path}[{index}]", depth + 1, inside_module)
+                        for index, child in enumerate(value)])
         if isinstance(value, list):
             items, container, form = list(enumerate(value)), value, "{}[{}]"
         elif isinstance(value, dict):
             items, container, form = list(value.items()), value, "{}[{!r}]"
         else:
             items, container, form = list(vars(value).items()), vars(value), "{}.{}"
-        found = False
-        for key, child in items:
-            child_path = form.format(path, key)
-            if self.visit(child, child_path, depth + 1):
-                self.plain.append(Link(container, key, child, child_path))
-                found = True
-        return found
+        found = [Link(container, key, child, form.format(path, key)) for key, child in items
+                 if self.visit(child, form.format(path, key), depth + 1, inside_module and container is value)]
+        if found:  # an object's attributes: read again after an assignment bumped the epoch, if its class allows
+            watched = container is not value and watch_class(type(value))
+            (self.gated if watched else self.live).extend(found)
+            if watched:
+                watch(value)
+        return bool(found)

@@ -1,11 +1,17 @@
 """KeyGuard: a captured key replays only while the state it was captured under still holds.
 
-Checked on every call that would replay the key, in this order, each cheap while nothing changed:
+What is guarded comes from what the step ran at capture (graphrt.guards.observe), not from the
+wrapped object. Checked on every call that would replay the key, in this order:
 
-1. the global state (``StateWatch.token``): autocast, and the ``training`` flags of the model's modules;
-2. the bindings (``Bindings.rebound``): the tensors the step read through object arguments and
-   the model's attributes are still the ones bound there;
-3. aliasing, only for a step that writes memory: no staged argument shares memory with another
+1. the global state (``StateWatch.token``): autocast (one C call while it is off);
+2. the state epoch (graphrt.guards.epoch): one integer compare while no API able to change the
+   step's Python state ran since the last call; when it moved, the key reads again the state of
+   the modules it ran (``training`` flags, Python attributes, submodules, hooks, parameters and
+   their dtypes, devices and memory), of the objects it read, and the links it reached its tensors
+   and modules through (graphrt.guards.python_state, graphrt.guards.bindings);
+3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
+   step's own code reads, the lists and dicts it reached tensors or modules through;
+4. aliasing, only for a step that writes memory: no staged argument shares memory with another
    when the step writes one of its inputs, nor with state the step reads or writes (a replay
    reads each argument from its own static slot, where eager would see the write through the alias).
 
@@ -15,23 +21,32 @@ call eagerly with that reason, or, for ``wrap()``, gives it graphs of its own.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, FrozenSet, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-from graphrt.guards.bindings import Bindings, count_registrations, find_bindings
+from graphrt.guards.adapters import watch_adapter_layers
+from graphrt.guards.bindings import Bindings, find_bindings
+from graphrt.guards.epoch import EPOCH, watch_class
 from graphrt.guards.global_state import StateWatch
-
+from graphrt.guards.live_checks import Same, global_checks
+from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
+from graphrt.guards.python_state import PythonState
 
 # The caller's tensors a call stages (None where an optional field is unset), read from the call.
 Sources = Callable[[Any], Sequence[Optional[torch.Tensor]]]
+# Reasons whose state can come back as it was (train/eval, an adapter set again, a hook removed):
+# wrap() keeps graphs per such state. The others bind new objects or memory: graphs are recorded again.
+RECURRING = frozenset({"training", "python_state", "hooks"})
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class GuardFailure(NamedTuple):
     """Why a key cannot serve this call: an ``EagerReason`` value and what differed, in words."""
 
-    reason: str  # "autocast" | "training" | "rebound_state" | "aliased_inputs"
+    reason: str  # "autocast" | "training" | "python_state" | "hooks" | "module_moved" | "rebound_state" | ...
     detail: str
 
 
@@ -41,20 +56,27 @@ class StaleStateError(RuntimeError):
 
 @dataclass
 class GuardSpec:
-    """What a front tells capture about its keys' guards: the state watch of its model, and the
-    ``(name, object)`` roots (modules, object arguments) whose tensors the step reads through."""
+    """What a front tells capture about its keys' guards: its state watch, the ``(name, object)``
+    object arguments of its calls, and the callable it wraps (what it holds: a bound method's
+    object, a partial's arguments, closure cells, through which a call reaches the modules it runs)."""
 
     watch: StateWatch
-    roots: Sequence[Tuple[str, Any]] = field(default_factory=tuple)
+    objects: Sequence[Tuple[str, Any]] = field(default_factory=tuple)
+    fn: Any = None
 
-    def __post_init__(self) -> None:
-        count_registrations()
+    def roots(self) -> List[Tuple[str, Any]]:
+        """The object arguments and what ``fn`` holds: the objects the step reads through."""
+        return [*self.objects, *entry_roots(self.fn)]
 
-    @classmethod
-    def of(cls, watch: StateWatch, objects: Sequence[Tuple[str, Any]] = ()) -> "GuardSpec":
-        """The spec of a front whose step reads ``objects`` (named by their argument paths, first) and
-        runs ``watch``'s modules (named by class)."""
-        return cls(watch, [*objects, *((type(root).__name__, root) for root in watch.roots)])
+    def rebind_roots(self) -> List[Tuple[str, Any]]:
+        """What a captured step must not rebind or assign: the object arguments (and what they
+        hold) and the modules ``fn`` holds. An engine object's own bookkeeping (a call counter,
+        the metadata its attention backend refreshes each step) is its own business. The object
+        arguments' classes are watched: an assignment reaches the capture's journal, with its line."""
+        for _, obj in self.objects:
+            if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__"):
+                watch_class(type(obj))
+        return [*self.objects, *((name, obj) for name, obj in entry_roots(self.fn) if isinstance(obj, torch.nn.Module))]
 
 
 def memory_of(tensor: torch.Tensor) -> int:
@@ -69,24 +91,49 @@ class KeyGuard:
     watch: StateWatch
     state: Any  # the StateWatch token at capture
     bindings: Bindings
+    python: PythonState
+    live: Tuple[Same, ...]  # compared on every call
     touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
+    epoch: int  # the state epoch the Python state was last seen unchanged at
+
+    def __post_init__(self) -> None:
+        self._holds = tuple(check.check() for check in self.live)  # bound once: one call per check per call
 
     @classmethod
-    def capture(cls, spec: GuardSpec, touched: Set[int], written: Set[int], writes_inputs: bool,
-                own: Set[int]) -> "KeyGuard":
-        """The guard of a key captured now: the current state, the bindings from ``spec.roots``
-        to the memory the step ``touched`` (read or wrote; the graph's ``own`` memory aside: its
-        static slots, which staging fills, and its outputs, which every replay overwrites), and
-        aliasing checks when it ``written`` memory (pairs of arguments: ``writes_inputs``). The
-        state an argument must not share memory with is what the bindings reach and what the step
-        wrote: memory still held, unlike the temporaries of the capture, whose addresses come back."""
-        bindings = find_bindings(spec.roots, touched - own, memory_of)
+    def capture(cls, spec: GuardSpec, observation: Optional[Observation], touched: Set[int], written: Set[int],
+                writes_inputs: bool, own: Set[int]) -> "KeyGuard":
+        """The guard of a key captured now: the current state; the state of what the step ran
+        (``observation``); the bindings from the roots to the memory the step ``touched`` (read or
+        wrote; the graph's ``own`` memory aside: its static slots, which staging fills, and its
+        outputs, which every replay overwrites) and to the modules it ran; aliasing checks when it
+        ``written`` memory (pairs of arguments: ``writes_inputs``). The state an argument must not
+        share memory with is what the bindings reach and what the step wrote: memory still held,
+        unlike the temporaries of the capture, whose addresses come back."""
+        observation = observation if observation is not None else Observation()
+        seen_epoch = EPOCH[0]  # before anything is read: a change from now on is seen
+        objects, entry = list(spec.objects), spec.roots()[len(spec.objects):]
+        modules = observation.modules
+        values = _values_read(spec.fn, observation)
+        roots = [*objects, *((type(module).__name__, module) for module in modules)]
+        bindings = find_bindings(roots, touched - own, memory_of, modules, [*entry, *values])
+        plain_objects = [(name, obj) for name, obj in objects
+                         if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__")]
+        ran = {id(module) for module in modules}
+        holders = [module for module in bindings.modules if id(module) not in ran]  # a ModuleList the step iterated
+        python = PythonState([*modules, *holders], [(name, obj) for name, obj in plain_objects if watch_class(type(obj))],
+                             [*objects, *entry, *values])
+        unwatched = [Same.items(vars(obj), list(vars(obj)), [f"{name}.{key}" for key in vars(obj)])
+                     for name, obj in plain_objects if not watch_class(type(obj)) and vars(obj)]
+        functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
+        live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
+                *bindings.live, *unwatched)
+        watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
-        return cls(spec.watch, spec.watch.token(), bindings, state_memory, bool(written_state) or writes_inputs,
-                   writes_inputs)
+        return cls(spec.watch, spec.watch.token(), bindings, python, live, state_memory,
+                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch)
 
     def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
         """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
@@ -94,19 +141,54 @@ class KeyGuard:
         ``check_storage`` (debug mode): raise StaleStateError for a tensor whose memory was swapped."""
         if state is not self.state and state != self.state:
             return GuardFailure(*self.watch.difference(self.state, state))
-        path = self.bindings.rebound()
-        if path is not None:
-            return GuardFailure("rebound_state", f"{path} is bound to another object than at capture")
-        if self.check_aliases:
-            failure = self._aliased(sources(call))
+        if EPOCH[0] != self.epoch:
+            failure = self.state_failure()
             if failure is not None:
                 return failure
+        for holds in self._holds:
+            if not holds():
+                return next(GuardFailure(*check.change()) for check in self.live if not check.holds())
+        if self.check_aliases:
+            tensors = sources(call)
+            if self.check_pairs or self._shares_state(tensors):
+                failure = self._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None])
+                if failure is not None:
+                    return failure
         if check_storage:
             self.check_storage()
         return None
 
-    def _aliased(self, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[GuardFailure]:
-        memory = [tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None]
+    def state_failure(self) -> Optional[GuardFailure]:
+        """The Python state and bindings read again (after the epoch moved): what differs from
+        capture, else None (and the epoch is remembered: nothing is read again until it moves)."""
+        now = EPOCH[0]
+        change = self.bindings.rebound() or self.python.change()
+        if change is not None:
+            return GuardFailure(*change)
+        self.epoch = now
+        return None
+
+    def holds_now(self) -> bool:
+        """Whether the Python state of now is this key's (its state read again, its live checks),
+        the call's tensors aside: a front looking for graphs of the state it is back in."""
+        return self.state_failure() is None and all(holds() for holds in self._holds)
+
+    def reads_grad(self) -> bool:
+        """Whether a tensor the step read through its bindings requires grad now (grad-mode calls:
+        ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
+        return any(map(_requires_grad, self.bindings.tensors))
+
+    def _shares_state(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Whether a staged tensor's memory is state the step reads or writes (a loop that stops at
+        the first: no list built on the common path)."""
+        touched = self.touched
+        for tensor in tensors:
+            if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                return True
+        return False
+
+    def _aliased(self, memory: List[int]) -> Optional[GuardFailure]:
+        """Why staged tensors at ``memory`` (their storages' addresses) cannot be staged apart, else None."""
         if not self.touched.isdisjoint(memory):
             index = next(index for index, address in enumerate(memory) if address in self.touched)
             return GuardFailure("aliased_inputs", f"staged tensor {index} shares memory with state the step reads "
@@ -126,3 +208,19 @@ class KeyGuard:
                 f"{path}: its memory was swapped since capture (e.g. `.data = other`); a CUDA graph reads the "
                 "captured memory, so replays would compute with the old values. Update weights in place "
                 "(`copy_`, `load_state_dict`), or call recapture() after swapping them")
+
+
+def _values_read(fn: Any, observation: Observation) -> List[Tuple[str, Any]]:
+    """``(name, value)`` of the globals the step's own code reads (data: a model, a table, an
+    engine), as roots the step reaches modules and tensors through."""
+    return [(f"global {name}", scope[name]) for scope, names in observation.globals_read() for name in names
+            if not callable(scope[name]) or isinstance(scope[name], torch.nn.Module)]
+
+
+def _hooks(modules: Sequence[torch.nn.Module]) -> List[Any]:
+    """The forward hooks registered on ``modules`` and globally (their closures are read per call)."""
+    hooks: List[Any] = []
+    for module in modules:
+        hooks += [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    table = torch.nn.modules.module
+    return hooks + [*table._global_forward_pre_hooks.values(), *table._global_forward_hooks.values()]

@@ -157,6 +157,25 @@ def warn_unsupported_layers(model: Any) -> None:
                        kinds.describe())
 
 
+def generating_model(model: Any) -> Any:
+    """The model whose ``forward`` ``model.generate()`` calls: ``model`` itself, or for a PEFT model
+    (``PeftModel.generate`` calls its base model's ``generate``) the base model, its adapter layers
+    in place. A prompt-learning PEFT model (prefix or prompt tuning) builds the base model's inputs
+    in its own ``generate``: refused, naming what to wrap instead."""
+    if not type(model).__module__.startswith("peft.") or not callable(getattr(model, "get_base_model", None)):
+        return model
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise ValueError(f"model: a PEFT {type(config).__name__} model adds its virtual tokens in its own "
+                         "generate(), around the base model's forward; graph_generate cannot reach it. Wrap the base "
+                         "model's forward yourself: base = model.get_base_model(); base.forward = graphrt.wrap("
+                         "base.forward, max_batch_size=...) and generate with cache_implementation='static'")
+    base = model.get_base_model()
+    logger.info("graph_generate(): %s generates through its base model %s: its forward is wrapped",
+                type(model).__name__, type(base).__name__)
+    return base
+
+
 def graph_generate(
     model: Any,
     max_batch_size: int,
@@ -171,6 +190,7 @@ def graph_generate(
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
+    model = generating_model(model)
     forward = model.forward
     if isinstance(forward, (GraphedCallable, GenerateForward)):
         raise ValueError("model.forward: already wrapped by graphrt; call graph_generate once per model")
@@ -199,4 +219,5 @@ def graph_generate(
     return fast
 
 
-__all__ = ["GenerateForward", "PassedCaches", "StaticCachePool", "decode_masks", "graph_generate", "graph_safe_cache"]
+__all__ = ["GenerateForward", "PassedCaches", "StaticCachePool", "decode_masks", "generating_model", "graph_generate",
+           "graph_safe_cache"]

@@ -36,18 +36,59 @@ class StaticCall(NamedTuple):
 
 @dataclass(frozen=True)
 class TensorEvidence:
-    """A tensor leaf as first seen, and the dims that can still be its batch axis (None: fixed)."""
+    """A tensor leaf as first seen, and the dims that can still be its batch axis (None: fixed).
+    Its class and, where a slot can keep them, its strides are part of the layout: a static slot is
+    a plain tensor, so a tensor subclass (its ``__torch_function__``) would not run; a strided
+    tensor whose batch dim is outermost (a slice along another dim, permuted inner dims) gets a slot
+    with the caller's strides, so the step sees what eager sees (``is_contiguous()``, a ``.view()``
+    that raises). Other strided tensors (the batch dim inside: ``x.t()``, a ``[layers, batch,
+    hidden]`` state cut from a graph's output) are staged into a contiguous slot, as CUDA-graph
+    runtimes stage every input."""
 
     shape: Tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     candidates: FrozenSet[Optional[int]]
+    kind: type = torch.Tensor
+    strides: Optional[Tuple[int, ...]] = None  # the slot's strides in the caller's dim order; None: contiguous
 
     @classmethod
     def first_seen(cls, tensor: torch.Tensor, batch_size: int, defines_batch: bool) -> "TensorEvidence":
         shape = tuple(tensor.shape)
         dims = {0} if defines_batch else {None, *(dim for dim, size in enumerate(shape) if size == batch_size)}
-        return cls(shape, tensor.dtype, tensor.device, frozenset(dims))
+        evidence = cls(shape, tensor.dtype, tensor.device, frozenset(dims), type(tensor))
+        if tensor.is_contiguous() or not evidence.keeps(tensor):
+            return evidence
+        return replace(evidence, strides=tuple(tensor.stride()))
+
+    def same_layout(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` has this leaf's class and the strides its slot keeps (contiguous: one C call)."""
+        if type(tensor) is not self.kind:
+            return False
+        if self.strides is None:
+            return tensor.is_contiguous() or not self.keeps(tensor)
+        return tensor.stride() == self.strides
+
+    def keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether a slot with ``tensor``'s strides can hold it padded along this leaf's batch dim:
+        no element shared (an expanded dim), the batch dim outermost (its stride then does not
+        depend on the batch size)."""
+        axis, strides, shape = self.axis, tuple(tensor.stride()), tuple(tensor.shape)
+        dims = sorted((stride, size, index) for index, (stride, size) in enumerate(zip(strides, shape))
+                      if size > 1 or index == axis)
+        extent = 1
+        for stride, size, _ in dims:
+            if stride < extent:
+                return False
+            extent += stride * (size - 1)
+        return axis is None or not dims or dims[-1][2] == axis
+
+    def slot_strides(self) -> Optional[Tuple[int, ...]]:
+        """The strides of this leaf's slot (stored batch-first), None for a contiguous slot."""
+        axis = self.axis
+        if self.strides is None or not axis:
+            return self.strides
+        return (self.strides[axis], *self.strides[:axis], *self.strides[axis + 1:])
 
     @property
     def batch_dims(self) -> List[int]:
@@ -65,7 +106,8 @@ class TensorEvidence:
 
     def refined(self, tensor: Any, batch_size: int) -> Optional["TensorEvidence"]:
         """The evidence with ``tensor`` seen too, or None when no candidate fits it."""
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype or tensor.device != self.device:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype or tensor.device != self.device or (
+                not self.same_layout(tensor)):
             return None
         shape = tuple(tensor.shape)
         if len(shape) != len(self.shape):
@@ -83,7 +125,8 @@ class TensorEvidence:
     def describe(self) -> str:
         axis = self.axis
         shape = ["n" if index == axis else size for index, size in enumerate(self.shape)]
-        return f"shape {shape} {self.dtype} on {self.device}"
+        strides = "" if self.strides is None else f", strides {list(self.strides)}"
+        return f"shape {shape} {self.dtype} on {self.device}{strides}"
 
 
 @dataclass(frozen=True)
@@ -163,7 +206,8 @@ class CallSignature:
         else:  # stored batch-first: staging pads rows; the function sees a movedim view
             others = evidence.shape[:axis] + evidence.shape[axis + 1:]
             spec, rows = BufferSpec((self.max_batch_size, *others), evidence.dtype, evidence.device), RowAxis.TOKENS
-        return self.buffers.register_slot(self.paths[index], spec, axis=rows, pad_value=self.pad_values.get(index, 0))
+        return self.buffers.register_slot(self.paths[index], spec, axis=rows, pad_value=self.pad_values.get(index, 0),
+                                          strides=evidence.slot_strides())
 
     def name_arguments(self, positional_names: Sequence[str]) -> None:
         """Name positional arguments by their parameters in ``named_paths`` (``slot_mapping``, not ``args[1]``)."""
@@ -213,7 +257,8 @@ class CallSignature:
             if shape is None:
                 if not same_value(value, leaf.value):
                     return batch_size, False
-            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
+            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device or (
+                    not leaf.same_layout(value)):
                 return batch_size, False
         return batch_size, True
 
@@ -332,16 +377,33 @@ class CallSignature:
             if isinstance(leaf, Constant):
                 if not same_value(value, leaf.value):
                     return path, f"expected {leaf.value!r} (a constant of the captured calls), got {value!r}"
-            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device:
-                got = f"shape {list(value.shape)} {value.dtype} on {value.device}"
+            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device or (
+                    not leaf.same_layout(value)):
+                got = f"shape {list(value.shape)} {value.dtype} on {value.device}{_kind_words(value)}"
                 return path, f"expected {leaf.describe()} with n = {batch_size}, got {got}"
         return "args", "the call fits the signature"
+
+    @property
+    def tensor_positions(self) -> Tuple[int, ...]:
+        """The positions of the tensor leaves among a call's leaves."""
+        return tuple(self._tensors)
+
+    @property
+    def eager_reason(self) -> Optional[str]:
+        """Why calls of this layout run eagerly whatever their size, else None: a tensor of a
+        subclass other than ``nn.Parameter`` (``"tensor_subclass"``: its ``__torch_function__``
+        would not run on a static slot)."""
+        if any(leaf.kind not in (torch.Tensor, torch.nn.Parameter) for leaf in self.leaves
+               if isinstance(leaf, TensorEvidence)):
+            return "tensor_subclass"
+        return None
 
     def family(self) -> Tuple[Any, ...]:
         """What this layout shares with layouts that differ from it only in tensor sizes: structure,
         keywords, constants, and per tensor its rank, dtype and device (hashable, for churn counts)."""
         kinds = tuple(
-            _constant_key(leaf.value) if isinstance(leaf, Constant) else (len(leaf.shape), leaf.dtype, leaf.device)
+            _constant_key(leaf.value) if isinstance(leaf, Constant) else (
+                len(leaf.shape), leaf.dtype, leaf.device, leaf.kind, leaf.strides)
             for leaf in self.leaves
         )
         return self.structure, self.kw_names, kinds
@@ -373,6 +435,11 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], kw_names: Tuple[
     positional = tuple([flatten(value, leaves) for value in args])
     keywords = tuple([flatten(kwargs[name], leaves) for name in kw_names])
     return leaves, (positional, keywords)
+
+
+def _kind_words(tensor: torch.Tensor) -> str:
+    kind = "" if type(tensor) in (torch.Tensor, torch.nn.Parameter) else f", a {type(tensor).__qualname__}"
+    return kind + ("" if tensor.is_contiguous() else f", strides {list(tensor.stride())}")
 
 
 def _constant_key(value: Any) -> Any:

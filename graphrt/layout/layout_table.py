@@ -1,9 +1,9 @@
 """LayoutTable: the call layouts one wrapped function has seen, each with graphs of its own.
 
 A call layout is a CallSignature (argument structure, non-batch dims, dtypes, constants) under
-one global state (a ``graphrt.guards.StateWatch`` token: autocast, ``training`` flags), so a call
-under autocast, or after ``model.eval()``, gets graphs of its own instead of replaying ones
-captured under another state. A call is matched against the layout used last (steady decode pays one match, as with a single
+one global state (a ``graphrt.guards.StateWatch`` token: autocast, and the number of the Python
+state its calls are in), so a call under autocast, or after ``model.eval()`` or an adapter switch,
+gets graphs of its own instead of replaying ones captured under another state. A call is matched against the layout used last (steady decode pays one match, as with a single
 layout); on a miss, one dict lookup on the call's positional count and keyword names finds the
 few layouts that could fit, most recent first. A call that fits none refines one of them (a
 batch axis decided, see CallSignature.refine) or opens a new layout.
@@ -152,25 +152,11 @@ class LayoutTable(Generic[Graphs]):
         self._unrecorded[family] = self._unrecorded.get(family, 0) + 1
         self._current = layout
         try:
-            layout.graphs = self._make_graphs(signature)  # held first: making them may restate every layout
+            layout.graphs = self._make_graphs(signature)
         except BaseException:  # a bad option for this layout (a pad value its tensor cannot hold)
             self._remove(layout)
             raise
         return layout
-
-    def restate(self, translate: Callable[[Hashable], Hashable]) -> None:
-        """Re-express every layout's global state in new terms (``translate``: a module passed as
-        an argument joined the state watch), keeping each layout, its recency and churn count."""
-        unrecorded = self._unrecorded
-        self._unrecorded, self._buckets = {}, {}
-        for layout in self.layouts.values():  # least recently used first: buckets keep recency order
-            count = unrecorded.get(layout.family)
-            layout.state = translate(layout.state)
-            layout.family = (layout.family[0], layout.state)
-            layout.bucket = (*layout.bucket[:-1], layout.state)
-            if count is not None:
-                self._unrecorded[layout.family] = count
-            self._buckets.setdefault(layout.bucket, []).append(layout)
 
     def _drop(self, layout: Layout[Graphs]) -> None:
         """Forget the least recently used layout and its graphs (max_signatures reached)."""

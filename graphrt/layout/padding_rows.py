@@ -41,7 +41,7 @@ from graphrt.backends.state_journal import (
     StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
 )
 from graphrt.capture import WHOLE_SAVE_BUDGET, rounding_tolerance
-from graphrt.layout.rebind_guard import RebindGuard
+from graphrt.guards import observed_run
 
 _aten = torch.ops.aten
 Storage = Tuple[torch.device, int]
@@ -266,16 +266,15 @@ def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List
     """For wrap(): stage the call's first ``real`` rows into ``signature``'s slots (pad values above
     them) and compare ``fn`` on ``real`` and on ``padded`` rows of the slots (``find_padding_write``);
     the slots and ``scratch`` are not state. Each run puts back the Python bindings of ``roots`` it
-    changed (a step that rebinds them raises RebindError, as its capture would). The slots keep the
-    staged rows."""
+    changed, every attribute it assigned and every global it read and rebound (a step that does raises
+    RebindError, as its capture would). The slots keep the staged rows."""
     signature.stage(leaves, real, cut=True)
 
     def run(rows: int) -> Callable[[], Any]:
         call = signature.static_arguments(rows)
 
         def step() -> Any:
-            with RebindGuard(roots):
-                return fn(*call.args, **call.kwargs)
+            return observed_run(lambda: fn(*call.args, **call.kwargs), roots)[0]
 
         return step
 

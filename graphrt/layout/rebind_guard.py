@@ -17,7 +17,7 @@ as on CUDA, and change during capture as they do there.
 from __future__ import annotations
 
 import types
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -106,6 +106,12 @@ class RebindGuard:
             for key, value in attributes.items():
                 if isinstance(value, (list, dict)) and not key.startswith("_"):
                     self._snapshot(f"{name}.{key}", value, 1, seen, owner, tensors_only=True)
+
+    def paths(self) -> Dict[int, str]:
+        """The path of each object and attribute dict saved (``id`` -> ``args[1].layers[0]``)."""
+        paths = {id(obj): path for path, obj in self.objects}
+        paths.update((id(container), path) for path, container, *_ in self._saved)
+        return paths
 
     def _changed(self) -> Optional[Tuple[str, Any, Optional[type]]]:
         """The first attribute (path, new value, owning class) whose object identity changed, if any
