@@ -34,12 +34,11 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
 
 from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.base import StepRefusal
-from graphrt.backends.compile_runs import compile_run
-from graphrt.backends.compiled import compiled_parts, eager_stance, refuse_nested_cudagraphs
-from graphrt.backends.torchscript import nested_torchscript
+from graphrt.backends.compile_runs import compile_run, compiled_code
+from graphrt.backends.compiled import eager_stance
 from graphrt.debug import GenerationCounter
 from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
-from graphrt.guards import Observation, observed_run, python_state_kept
+from graphrt.guards import observed_run, python_state_kept
 from graphrt.layout.tensor_tree import flatten, is_plain_constant, leaf_paths, same_value
 from graphrt.registry import GraphRegistry
 
@@ -220,7 +219,6 @@ class KeyCapture:
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad, journal.touched)
         return True
 
-
     def _compile(self, entry: GraphEntry, step: Callable[[], Any]) -> None:
         """If the step ran torch.compile'd code (seen by its warm-ups), compile it at the key's shapes with
         no dispatch mode active, the key's rows marked dynamic (graphrt.backends.compile_runs)."""
@@ -234,17 +232,6 @@ class KeyCapture:
         if not entry.compiled.compiled:
             logger.warning("%s: the step's torch.compile'd code runs eagerly at this key's shapes: %s", entry.key,
                            entry.compiled.detail)
-
-
-def compiled_code(observation: Observation) -> bool:
-    """Whether an observed step ran torch.compile'd code; refused (``StepRefusal``) where no graph can hold
-    what it ran: compiled code that captures CUDA graphs of its own, a TorchScript module."""
-    error = nested_torchscript(observation.modules)
-    if error is not None:
-        raise error
-    parts = compiled_parts(observation.compiled_calls, observation.modules)
-    refuse_nested_cudagraphs(parts)
-    return bool(parts)
 
 
 def check_devices(entry: GraphEntry, graph: CapturedGraph, device: Optional[torch.device]) -> None:
@@ -293,7 +280,7 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
         leaves: List[Any] = []
         if entry.observation is None:
             outputs, entry.observation = observed_run(entry.step, roots)
-            entry.runs_compiled = compiled_code(entry.observation)
+            entry.runs_compiled = compiled_code(entry.observation.modules, entry.observation.compiled_calls)
         else:
             with python_state_kept(roots):
                 outputs = entry.step()

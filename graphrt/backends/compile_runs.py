@@ -15,9 +15,10 @@ the number of capture sizes:
   later calls of it at new shapes too); each graph a run compiled raises them for good by one, so
   the user's own calls keep the budget they had (logged at INFO).
 
-``CompileOutcome`` says whether the key's code is compiled: every frame of the run hit compiled
-code or compiled; else how many frames Dynamo ran eagerly (a limit reached before graphrt's
-capture, a construct Dynamo cannot compile).
+``CompileOutcome`` says whether the key's code is compiled: the run compiled a graph or ran one
+compiled before, and every frame Dynamo looked at hit compiled code or compiled; else how many
+frames it ran eagerly (a limit reached before graphrt's capture, a construct Dynamo cannot
+compile), or that it compiled and ran nothing at all (code it skips).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import torch
+
+from graphrt.backends.compiled import compiled_parts, refuse_nested_cudagraphs
+from graphrt.backends.torchscript import nested_torchscript
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,18 @@ class CompileOutcome:
     compiled: bool
     graphs: int = 0  # graphs Dynamo compiled during the run (0: every frame hit a graph compiled before)
     detail: str = ""
+
+
+def compiled_code(modules: Sequence[torch.nn.Module], calls: Sequence[Tuple[Any, Any]]) -> bool:
+    """Whether a step that ran ``modules`` and passed through the torch.compile wrappers ``calls``
+    (graphrt.guards.observe) ran compiled code; refused (``StepRefusal``) where no graph can hold
+    what it ran: compiled code that captures CUDA graphs of its own, a TorchScript module."""
+    error = nested_torchscript(modules)
+    if error is not None:
+        raise error
+    parts = compiled_parts(calls, modules)
+    refuse_nested_cudagraphs(parts)
+    return bool(parts)
 
 
 def mark_batch_dims(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
@@ -103,4 +119,7 @@ def compile_run(step: Callable[[], Any], tensors: Sequence[torch.Tensor], rows: 
         return CompileOutcome(False, compiled, f"Dynamo ran {eager} frame(s) of the step's compiled code eagerly "
                                                "(a recompile limit reached before, or code it cannot compile: "
                                                "TORCH_LOGS=recompiles,graph_breaks says which)")
+    if not compiled and True not in lookups:
+        return CompileOutcome(False, 0, "Dynamo neither compiled a graph nor ran one it had (it skips the step's "
+                                        "compiled code: torch.compiler.disable, or a skip decided before)")
     return CompileOutcome(True, compiled)

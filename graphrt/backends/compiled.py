@@ -110,8 +110,16 @@ def compiled_callable(fn: Any, context: Any = None) -> Optional[CompiledCallable
     if context is None:
         return None
     backend = _backend_of(context)
-    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__
-    return CompiledCallable(_name_of(fn), str(name), _uses_cudagraphs(backend))
+    return CompiledCallable(_name_of(fn), _backend_name(backend), _uses_cudagraphs(backend))
+
+
+def _backend_name(backend: Any) -> str:
+    """``inductor``, ``eager``, a custom backend function's name, a backend object's class."""
+    name = getattr(backend, "compiler_name", None)
+    if isinstance(name, str) and not name.startswith("<"):
+        return name
+    compiler = getattr(backend, "compiler_fn", backend)
+    return getattr(compiler, "__name__", None) or type(compiler).__name__
 
 
 def describe_callable(fn: Any) -> str:

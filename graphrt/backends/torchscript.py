@@ -43,8 +43,14 @@ def _described(obj: Any) -> Optional[str]:
         return None
     if isinstance(obj, torch.jit.ScriptModule):
         return f"a TorchScript module {getattr(obj, 'original_name', type(obj).__name__)}"
-    kind = "method" if isinstance(obj, getattr(torch._C, "ScriptMethod", ())) else "function"
-    return f"a TorchScript {kind} {getattr(obj, 'name', None) or getattr(obj, '__name__', type(obj).__name__)}"
+    name = getattr(obj, "name", None) or getattr(obj, "__name__", type(obj).__name__)
+    owner = getattr(obj, "owner", None)  # a scripted module's method: its owner is the C++ module
+    if owner is not None:
+        try:
+            return f"a TorchScript method {owner._type().name()}.{name}"
+        except (AttributeError, RuntimeError):
+            return f"a TorchScript method {name}"
+    return f"a TorchScript function {name}"
 
 
 def _message(subject: str, described: str) -> str:

@@ -75,10 +75,24 @@ def _bumping(original: Callable[..., Any], of_self: bool = True) -> Callable[...
     return call
 
 
+def _object_setattr(self: Any, name: str, value: Any) -> None:
+    """``object.__setattr__`` as Python code, for the patches below: Dynamo traces this literal call, but
+    resolves the slot wrapper held in a closure as ``Tensor.__setattr__``, which calls the class's
+    ``__setattr__`` (the patch) again, without end (a compiled forward setting a watched cache's attribute)."""
+    object.__setattr__(self, name, value)
+
+
+def _object_delattr(self: Any, name: str) -> None:
+    """``object.__delattr__`` as Python code (``_object_setattr``)."""
+    object.__delattr__(self, name)
+
+
 def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
     """``__setattr__`` that tells the active journal first, then bumps."""
     if getattr(original, "_graphrt_bumps", False):
         return original
+    if original is object.__setattr__:
+        original = _object_setattr
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         journal = JOURNAL[0]
@@ -96,6 +110,8 @@ def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
 def _journaled_delattr(original: Callable[..., None]) -> Callable[..., None]:
     if getattr(original, "_graphrt_bumps", False):
         return original
+    if original is object.__delattr__:
+        original = _object_delattr
 
     def __delattr__(self: Any, name: str) -> None:
         journal = JOURNAL[0]
