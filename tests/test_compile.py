@@ -224,8 +224,9 @@ class WithCompiledPart(torch.nn.Module):
         return self.part(x) + 1
 
 
-@pytest.mark.parametrize("where", ["forward assigned back", "compiled submodule", "lambda over a compiled module"])
-@pytest.mark.parametrize("options", [dict(mode="reduce-overhead"), dict(mode="max-autotune"), dict(backend="cudagraphs")])
+@pytest.mark.parametrize("where, options", [("forward assigned back", dict(mode="reduce-overhead")),
+                                            ("compiled submodule", dict(mode="max-autotune")),
+                                            ("lambda over a compiled module", dict(backend="cudagraphs"))])
 def test_a_cuda_graph_compile_anywhere_in_the_step_is_refused_by_name_with_the_fix(where, options):
     """Issue 42, item 1: refused only when handed to graphrt before; found now from what the step ran.
     The first recording names it and the fix; no other key is tried, every call runs eagerly (eager's
