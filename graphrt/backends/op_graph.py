@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextvars
 import keyword
+import linecache
 import operator
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -289,7 +291,24 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
         copy_targets.append(leaf)
         returned.append(nodes[id(leaf)])
     graph.output(returned)
-    return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), copy_targets)
+    module = torch.fx.GraphModule(root, graph, class_name="RecordedStep")
+    _forget_source_with(module)
+    return OpGraph(module, copy_targets)
+
+
+def _forget_source_with(module: torch.fx.GraphModule) -> None:
+    """When ``module`` is freed, drop the generated source torch.fx keeps for it in a process-wide cache
+    (and ``linecache``) forever: without this, every graph recorded and dropped (an engine built and
+    dropped, a recapture) would keep its source."""
+    loader = getattr(torch.fx.graph_module, "_loader", None)
+    filename = getattr(getattr(type(module).forward, "__code__", None), "co_filename", None)
+    if loader is not None and isinstance(getattr(loader, "eval_cache", None), dict) and filename:
+        weakref.finalize(module, _forget_source, loader.eval_cache, filename)
+
+
+def _forget_source(cache: Dict[str, str], filename: str) -> None:
+    cache.pop(filename, None)
+    linecache.cache.pop(filename, None)
 
 
 _KEYWORD_OVERLOADS: Dict[Any, Callable[..., Any]] = {}
