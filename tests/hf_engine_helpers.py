@@ -4,7 +4,7 @@ greedy tokens from the model's own ``generate()`` with that prompt alone (no pad
 
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence
+from typing import Any, Iterator, List, Sequence
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ import torch
 from hf_helpers import VOCAB
 
 ENGINE_FAMILIES = ["llama", "qwen2", "qwen2-sliding", "qwen3", "qwen3-moe", "mistral-window", "gemma2", "gemma3",
-                   "phi3", "gpt-oss", "deepseek-v3"]
+                   "phi3", "gpt-oss", "deepseek-v3", "qwen2-moe-sliding", "phimoe-window", "gemma3n"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,13 +31,15 @@ def ragged_prompts(lengths: Sequence[int], seed: int = 1) -> List[List[int]]:
     return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in lengths]
 
 
-def generate_alone(model: torch.nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int) -> List[List[int]]:
-    """Each prompt's greedy continuation by ``model.generate()``, one prompt at a time."""
+def generate_alone(model: torch.nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int,
+                   **generate_options: Any) -> List[List[int]]:
+    """Each prompt's greedy continuation by ``model.generate()``, one prompt at a time (``generate_options``:
+    more of generate()'s keywords)."""
     tokens = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([list(prompt)], device=model.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0, **generate_options)
             tokens.append(out[0, len(prompt):].tolist())
     return tokens

@@ -232,7 +232,7 @@ class HFEngine:
             return logits, eager
 
         def launch(batch: ForwardBatch, steps: int) -> Tuple[torch.Tensor, int]:
-            key, runner = runners.for_batch(graphs, batch, steps_per_launch)
+            key, runner = runners.for_batch(graphs, batch, steps_per_launch, steps)
             calls, start = self._model_calls, time.perf_counter()
             tokens = runner.decode(batch, steps)
             self._in_runner += time.perf_counter() - start

@@ -4,9 +4,10 @@
 (and transformers' masks built as for sdpa, never skipped), and keeps per layer: the key and value
 shapes, the ``sliding_window`` keyword, whether its key tensor is one an earlier layer was handed
 (KV sharing), and the mask the model gave it. ``plan_layout`` turns that into each layer's
-``LayerKV``: its window is the keyword, else the window the model's config gives the layer (some
-models, Qwen2-MoE and PhiMoE among them, apply their window only through the mask); and the mask
-must be exactly the causal mask of that window, or the model is refused by name: graphrt's paged
+``LayerKV``: its window is the keyword, else the band the mask shows (a window shorter than the
+probe), else the window the model's config gives the layer (some models, Qwen2-MoE and PhiMoE among
+them, apply their window only through the mask); and the mask must be exactly the causal mask of
+that window, or the model is refused by name: graphrt's paged
 attention takes what a token sees from the positions and the window, never from a mask, so a bias
 or any other structure that lives only in the mask (Doge's per-key bias) would be dropped.
 """
@@ -100,19 +101,17 @@ def plan_layout(model: Any, probed: Dict[int, ProbedLayer], num_request_rows: in
                 max_step_tokens: int, num_slots: int) -> KVLayout:
     """Each layer's ``LayerKV`` from the probe; ValueError naming the model and the layer when a layer
     does not attend through transformers' AttentionInterface, or its mask says more than its window."""
-    from graphrt.hf.layer_kinds import configured_windows
-
     name = type(model).__name__
-    num_layers = model.config.get_text_config().num_hidden_layers
+    text = model.config.get_text_config()
+    num_layers = text.num_hidden_layers
     if sorted(probed) != list(range(num_layers)):
         missing = sorted(set(range(num_layers)) - set(probed))
         raise ValueError(f"model: {name} layers {missing} do not attend through transformers' AttentionInterface; "
                          "their state cannot live in graphrt's paged KV pool")
-    configured = configured_windows(model.config, num_layers)
     layers: List[LayerKV] = []
     for index in range(num_layers):
         seen = probed[index]
-        window = seen.window or int(configured[index] or 0)
+        window = seen.window or _mask_band(seen.mask) or _configured_window(text, index)
         wrong = _mask_difference(seen.mask, window)
         if wrong is not None:
             raise ValueError(f"model: {name} layer {index}: {wrong}; graphrt's paged attention applies causal "
@@ -132,6 +131,33 @@ def plan_layout(model: Any, probed: Dict[int, ProbedLayer], num_request_rows: in
     return KVLayout(layers, num_request_rows, num_slots)
 
 
+def _configured_window(text_config: Any, index: int) -> int:
+    """The window the config gives layer ``index`` (0: none), as transformers' continuous batching reads
+    it: ``sliding_window`` for the layers ``layer_types`` calls sliding, or for every layer without
+    ``layer_types``."""
+    window = getattr(text_config, "sliding_window", None) or 0
+    types = getattr(text_config, "layer_types", None)
+    return window if types is None or types[index] == "sliding_attention" else 0
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """[rows, PROBE_TOKENS, PROBE_TOKENS] bool: which keys each query of the mask sees (bool: True; additive:
+    not the dtype's minimum or -inf)."""
+    flat = mask.reshape(-1, PROBE_TOKENS, PROBE_TOKENS)
+    if mask.dtype == torch.bool:
+        return flat
+    return flat > (torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else -1)
+
+
+def _mask_band(mask: Optional[torch.Tensor]) -> int:
+    """The window a probe mask shows when it is narrower than the probe step (the keys its last query
+    sees), else 0; the mask's full check is ``_mask_difference``."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2:] != (PROBE_TOKENS, PROBE_TOKENS):
+        return 0
+    seen = int(_visible(mask)[0, -1].sum())
+    return seen if 0 < seen < PROBE_TOKENS else 0
+
+
 def _mask_difference(mask: Optional[torch.Tensor], window: int) -> Optional[str]:
     """How the probe's ``mask`` differs from the causal mask of ``window`` (0: none), or None (None: no mask)."""
     if mask is None:
@@ -139,14 +165,9 @@ def _mask_difference(mask: Optional[torch.Tensor], window: int) -> Optional[str]
     if mask.dim() < 2 or mask.shape[-2:] != (PROBE_TOKENS, PROBE_TOKENS):
         return f"its attention mask has shape {list(mask.shape)}, not [..., {PROBE_TOKENS}, {PROBE_TOKENS}] for a " \
                f"step of {PROBE_TOKENS} tokens"
-    flat = mask.reshape(-1, PROBE_TOKENS, PROBE_TOKENS)
-    if mask.dtype == torch.bool:
-        visible = flat
-    else:
-        floor = torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else -1
-        visible = flat > floor
-        if bool((flat.masked_fill(~visible, 0) != 0).any()):
-            return "its attention mask adds a bias to the scores of the keys it shows"
+    visible = _visible(mask)
+    if mask.dtype != torch.bool and bool((mask.reshape(visible.shape).masked_fill(~visible, 0) != 0).any()):
+        return "its attention mask adds a bias to the scores of the keys it shows"
     if not bool((visible == visible[:1]).all()):
         return "its attention mask differs between heads or rows"
     query = torch.arange(PROBE_TOKENS, device=mask.device)[:, None]

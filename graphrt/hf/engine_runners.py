@@ -1,11 +1,11 @@
 """The GraphRunners of one engine, and which of them serves a step.
 
-* ``prefill``: prefill and mixed steps, piecewise graphs split at the paged attention op (padded
-  token counts up to the step budget).
-* ``decode`` per width and steps per launch: full decode graphs (and multi-step keys) at every
-  batch size, their attention reading ``width`` table slots per request, the smallest width of
-  ``decode_widths`` that holds the step's longest request; so a decode step's attention work
-  follows the requests it serves, not ``max_context``.
+* A graphs runner per width and steps per launch: full decode graphs (multi-step keys for more
+  than one step) at every batch size, their attention reading ``width`` table slots per request,
+  the narrowest width of ``decode_widths`` that holds the step's longest request; so a decode
+  step's attention work follows the requests it serves, not ``max_context``. The single-step
+  runner of the narrowest width also holds the piecewise keys of prefill and mixed steps (split at
+  the paged attention op, padded token counts up to the step budget): the runner every call uses.
 * ``eager``: every step of ``graphs=False`` calls.
 
 Each runner is built and captured once, on first use, under the engine's lock, with an attention
@@ -54,17 +54,18 @@ def decode_widths(max_context: int) -> List[int]:
 
 @dataclass(frozen=True)
 class RunnerKey:
-    """Which runner: ``kind`` eager, prefill or decode; a decode runner's steps per launch and width."""
+    """Which runner: eager (``width`` 0), or graphs of ``steps`` decode steps per launch reading ``width``
+    table slots per request (the single-step runner of the narrowest width also prefills: ``prefill``)."""
 
-    kind: str
     steps: int = 1
     width: int = 0
+    prefill: bool = False
 
     @property
     def name(self) -> str:
-        if self.kind != "decode":
-            return self.kind
-        return f"decode@{self.width}" + (f"x{self.steps}" if self.steps > 1 else "")
+        if not self.width:
+            return "eager"
+        return f"decode@{self.width}" + (f"x{self.steps}" if self.steps > 1 else "") + ("+prefill" if self.prefill else "")
 
 
 class EngineRunners:
@@ -83,20 +84,24 @@ class EngineRunners:
         self.options = dict(options)
         self.widths = decode_widths(pools.req_to_token.max_context_len)
         self.used: Set[RunnerKey] = set()  # the runners of the current (or last) call
+        self.widths_used: Set[int] = set()  # the widths its decode steps read
         self._lock = lock
         self._runners: Dict[RunnerKey, GraphRunner] = {}
         self._retried: Dict[RunnerKey, Set[GraphKey]] = {}
         self._faulted: Optional[Tuple[RunnerKey, GraphRunner]] = None
 
-    def for_batch(self, graphs: bool, batch: ForwardBatch, steps: int = 1) -> Tuple[RunnerKey, GraphRunner]:
-        """The runner that serves ``batch`` (``steps`` decode steps of it)."""
+    def for_batch(self, graphs: bool, batch: ForwardBatch, steps_per_launch: int = 1,
+                  steps: int = 1) -> Tuple[RunnerKey, GraphRunner]:
+        """The runner that serves ``batch`` (``steps`` decode steps of it, on the runner of ``steps_per_launch``)."""
         if not graphs:
-            key = RunnerKey("eager")
+            key = RunnerKey()
         elif batch.forward_mode.is_decode_or_idle():
             longest = int(batch.seq_lens_cpu.max()) if batch.batch_size else 1
-            key = RunnerKey("decode", steps, self.width_for(longest + steps - 1))
+            width = self.width_for(longest + steps - 1)
+            key = RunnerKey(steps_per_launch, width, steps_per_launch == 1 and width == self.widths[0])
+            self.widths_used.add(width)
         else:
-            key = RunnerKey("prefill")
+            key = RunnerKey(1, self.widths[0], True)
         return key, self.get(key)
 
     def width_for(self, tokens: int) -> int:
@@ -120,7 +125,7 @@ class EngineRunners:
     def after_eager_step(self, key: RunnerKey, runner: GraphRunner) -> None:
         """A step of ``key``'s runner ran the model eagerly: if a replay fault disabled one of its keys, that
         key is captured again before the next step (once per key)."""
-        if key.kind != "eager" and any(entry.status is GraphStatus.DISABLED
+        if key.width and any(entry.status is GraphStatus.DISABLED
                                        for entry in runner.registry.entries.values()):
             self._faulted = (key, runner)
 
@@ -140,19 +145,20 @@ class EngineRunners:
         backend = PagedAttnBackend(self.pools, self.layout, key.width or None)
         options: Dict[str, Any] = dict(max_batch_size=self.max_requests, device=self.device, progress=False,
                                        backend=self.graph_backend, **graph_runner_kwargs(backend, self.pools))
-        if key.kind == "decode":
+        if not key.width:
+            options.update(modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED), backend="eager")
+            dropped = DECODE_OPTIONS | PREFILL_OPTIONS
+        elif key.prefill:
+            options.update(modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED),
+                           capture_sizes=default_capture_sizes(self.max_requests), splitting_ops=[PAGED_ATTENTION_OP],
+                           piecewise_sizes=default_piecewise_sizes(self.max_step_tokens))
+            dropped = frozenset({"decode_steps"})
+        else:
             options.update(modes=(ForwardMode.DECODE,), capture_sizes=default_capture_sizes(self.max_requests),
                            decode_steps=(key.steps,) if key.steps > 1 else ())
             dropped = PREFILL_OPTIONS
-        elif key.kind == "prefill":
-            options.update(modes=(ForwardMode.EXTEND, ForwardMode.MIXED), splitting_ops=[PAGED_ATTENTION_OP],
-                           piecewise_sizes=default_piecewise_sizes(self.max_step_tokens))
-            dropped = DECODE_OPTIONS
-        else:
-            options.update(modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED), backend="eager")
-            dropped = DECODE_OPTIONS | PREFILL_OPTIONS
         options.update({name: value for name, value in self.options.items() if name not in dropped})
-        if key.kind == "prefill" and "extend_capture_sizes" not in self.options:
+        if key.prefill and "extend_capture_sizes" not in self.options:
             # No extend grid is captured (the backend graphs decode only): its one size bounds the static token slots.
             options["extend_capture_sizes"] = ([max(options["piecewise_sizes"])], [1])
         runner = GraphRunner(self.model, RunnerConfig(**options))
@@ -175,7 +181,7 @@ class EngineRunners:
 
     def snapshot(self) -> Dict[RunnerKey, Dict[str, Any]]:
         """Every runner's counters now (``call_stats`` subtracts them), and a new call's set of used runners."""
-        self.used = set()
+        self.used, self.widths_used = set(), set()
         return {key: runner.stats() for key, runner in self._runners.items()}
 
     def call_stats(self, before: Dict[RunnerKey, Dict[str, Any]]) -> Dict[str, Any]:
@@ -205,7 +211,7 @@ class EngineRunners:
                 "padding_waste": merged["padded_tokens"] / total if total else 0.0,
                 "backend": backends[0] if backends else self.graph_backend,
                 "runners": [key.name for key in sorted(self.used, key=lambda used: used.name)],
-                "decode_widths": sorted({key.width for key in self.used if key.kind == "decode"})}
+                "decode_widths": sorted(self.widths_used)}
 
 
 __all__ = ["EngineRunners", "MIN_WIDTH", "RunnerKey", "decode_widths"]

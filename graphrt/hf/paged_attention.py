@@ -85,7 +85,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for request, (start, q_len, prefix) in enumerate(layout):
         first = max(0, prefix + 1 - window) if window > 0 else 0  # the oldest position any query sees
         positions = torch.arange(first, prefix + q_len, device=q.device)
-        slots = requests[request] * ring + positions % ring if ring else table[request, first: prefix + q_len]
+        if ring:
+            slots = requests[request] * ring + positions % ring
+        else:  # a capture's padding request may run past the table (a step budget above max_context): scratch there
+            slots = table[request].index_select(0, positions.clamp(max=table.shape[1] - 1))
         keys, values = k_cache[slots], v_cache[slots]
         visible = positions[None, :] <= positions[prefix - first:, None]
         if window > 0:
