@@ -1,6 +1,6 @@
 """Prompts and reference tokens for the engine-path tests: ragged token prompts, and each prompt's
 greedy tokens from the model's own ``generate()`` with that prompt alone (no padding, no batch); the
-``one_thread`` fixture the engine tests import."""
+fixtures the engine tests import (``one_thread``; a tiny ``llama`` and its ``engine``, one per module)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any, Iterator, List, Sequence
 import pytest
 import torch
 
-from hf_helpers import VOCAB
+from hf_helpers import VOCAB, tiny_model
+
+import graphrt.hf
 
 ENGINE_FAMILIES = ["llama", "qwen2", "qwen2-sliding", "qwen3", "qwen3-moe", "mistral-window", "gemma2", "gemma3",
                    "phi3", "gpt-oss", "deepseek-v3", "qwen2-moe-sliding", "phimoe-window", "gemma3n"]
@@ -23,6 +25,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(llama: torch.nn.Module) -> graphrt.hf.HFEngine:
+    """3 request rows of 32 tokens, 8 tokens per step, piecewise keys of 4 and 8 tokens."""
+    return graphrt.hf.engine_model(llama, max_requests=3, max_context=32, max_step_tokens=8, warmup_iters=1,
+                                   piecewise_sizes=[4, 8])
 
 
 def ragged_prompts(lengths: Sequence[int], seed: int = 1) -> List[List[int]]:

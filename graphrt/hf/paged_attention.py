@@ -73,8 +73,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch is None:
         raise RuntimeError("paged_attention: no current batch; call it inside a graphrt step")
     requests = batch.req_pool_indices.to(torch.int64)
-    table = None if ring else batch.req_to_token_pool.req_to_token.index_select(0, requests)
     layout = [(start, q_len, prefix) for start, q_len, prefix in request_layout(batch) if q_len]
+    longest = max((prefix + q_len for _, q_len, prefix in layout), default=1)
+    table = None if ring else batch.req_to_token_pool.req_to_token[:, :longest].index_select(0, requests)
     if ring and k_new is not None and v_new is not None:
         for request, (start, q_len, prefix) in enumerate(layout):
             slots = requests[request] * ring + torch.arange(prefix, prefix + q_len, device=q.device) % ring
