@@ -212,9 +212,9 @@ class HFEngine:
         try:
             yield
         finally:
+            seconds = time.perf_counter() - start
             self._stats = {**self.runners.call_stats(before),
-                           "serve": {**asdict(counts), "seconds": time.perf_counter() - start,
-                                     "runner_seconds": self._in_runner}}
+                           "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner}}
 
     def _step_functions(self, graphs: bool, steps_per_launch: int) -> Tuple[Any, Any]:
         """``serve``'s step and launch: each batch to the runner that serves it, timed, with how many of

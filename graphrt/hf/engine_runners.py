@@ -27,7 +27,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.config import RunnerConfig
 from graphrt.entry import GraphKey, GraphStatus
 from graphrt.hf.kv_layout import KVLayout
-from graphrt.hf.paged_attention import PAGED_ATTENTION_OP, PagedAttnBackend
+from graphrt.hf.paged_attention import PagedAttnBackend, splitting_ops
 from graphrt.reference import CachePools, graph_runner_kwargs
 from graphrt.runner import GraphRunner
 from graphrt.sizes import default_capture_sizes, default_piecewise_sizes
@@ -150,7 +150,7 @@ class EngineRunners:
             dropped = DECODE_OPTIONS | PREFILL_OPTIONS
         elif key.prefill:
             options.update(modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED),
-                           capture_sizes=default_capture_sizes(self.max_requests), splitting_ops=[PAGED_ATTENTION_OP],
+                           capture_sizes=default_capture_sizes(self.max_requests), splitting_ops=splitting_ops(self.layout),
                            piecewise_sizes=default_piecewise_sizes(self.max_step_tokens))
             dropped = frozenset({"decode_steps"})
         else:

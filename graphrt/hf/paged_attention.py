@@ -16,14 +16,14 @@ the replay hook, ``width`` table columns per request (the backend of one decode 
 requests hold at most ``width`` tokens: the engine keeps a runner per width bucket), and a sliding layer
 reads only its window's ring slots; so a full graph records them and a step's attention reads what its
 requests hold, not ``max_context`` per row. Prefill and mixed steps call the ``paged_attention`` custom
-op, which plans on the host per request from ``current_batch()`` and is therefore the splitting op of
-piecewise graphs (``PAGED_ATTENTION_OP``).
+op (``ring_attention`` for a sliding layer's ring, whose writes it does too), which plans on the host per
+request from ``current_batch()`` and is therefore a splitting op of piecewise graphs (``splitting_ops``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,17 +58,51 @@ def _grouped(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Te
     return q.to(dtype).view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
-@torch.library.custom_op("graphrt_hf::paged_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("graphrt_hf::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int,
-                    ring: int, softcap: float, sinks: Optional[torch.Tensor], k_new: Optional[torch.Tensor],
-                    v_new: Optional[torch.Tensor]) -> torch.Tensor:
+                    ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's keys and values in ``k_cache``/``v_cache``
-    [slots, Hkv, D] for the current batch, planned on the host per request (its chunk and cached prefix):
-    through the request table, or (``ring`` > 0) in the request row's ring of ``ring`` slots, where the
-    op first writes the step's ``k_new``/``v_new`` [T, Hkv, D] (a ring slot depends on the request, which
-    a piecewise graph, keyed by token count only, cannot read); ``window`` > 0 sees the last ``window``
-    positions only. Returns [T, H, Dv]; rows past the batch's tokens are zeros. Through the table, this
-    step's keys and values must already be in the caches."""
+    [slots, Hkv, D] for the current batch, planned on the host per request (its chunk and cached
+    prefix): found through the request table, or (``ring`` > 0) in the request row's ring of that many
+    slots; ``window`` > 0 sees the last ``window`` positions only. Returns [T, H, Dv]; rows past the
+    batch's tokens are zeros. This step's keys and values must already be in the caches."""
+    return _attend_requests(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int, ring: int,
+      softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+
+@torch.library.custom_op("graphrt_hf::ring_attention", mutates_args=("k_cache", "v_cache"))
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   scale: float, window: int, ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """``paged_attention`` of a sliding-window layer that keeps its keys and values in a ring of ``ring``
+    slots per request row, writing the step's k/v [T, Hkv, D] at their ring slots first: a ring slot
+    depends on the request, which a piecewise graph (keyed by token count only) cannot read, so the
+    write belongs to the op, which plans on the host."""
+    batch = current_batch()
+    if batch is None:
+        raise RuntimeError("ring_attention: no current batch; call it inside a graphrt step")
+    requests = batch.req_pool_indices.to(torch.int64)
+    for request, (start, q_len, prefix) in enumerate(request_layout(batch)):
+        if q_len:
+            slots = requests[request] * ring + torch.arange(prefix, prefix + q_len, device=q.device) % ring
+            k_cache[slots] = k[start: start + q_len].to(k_cache.dtype)
+            v_cache[slots] = v[start: start + q_len].to(v_cache.dtype)
+    return _attend_requests(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
+
+
+@ring_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+      window: int, ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+
+def _attend_requests(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int,
+                     ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Both ops' attention, request by request of ``current_batch()``."""
     batch = current_batch()
     if batch is None:
         raise RuntimeError("paged_attention: no current batch; call it inside a graphrt step")
@@ -76,14 +110,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     layout = [(start, q_len, prefix) for start, q_len, prefix in request_layout(batch) if q_len]
     longest = max((prefix + q_len for _, q_len, prefix in layout), default=1)
     table = None if ring else batch.req_to_token_pool.req_to_token[:, :longest].index_select(0, requests)
-    if ring and k_new is not None and v_new is not None:
-        for request, (start, q_len, prefix) in enumerate(layout):
-            slots = requests[request] * ring + torch.arange(prefix, prefix + q_len, device=q.device) % ring
-            k_cache[slots] = k_new[start: start + q_len].to(k_cache.dtype)
-            v_cache[slots] = v_new[start: start + q_len].to(v_cache.dtype)
     out = q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[-1]))
     num_kv_heads = k_cache.shape[1]
-    for request, (start, q_len, prefix) in enumerate(layout):
+    for request, (start, q_len, prefix) in enumerate(request_layout(batch)):
+        if not q_len:
+            continue
         first = max(0, prefix + 1 - window) if window > 0 else 0  # the oldest position any query sees
         positions = torch.arange(first, prefix + q_len, device=q.device)
         if ring:
@@ -102,14 +133,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int, ring: int,
-      softcap: float, sinks: Optional[torch.Tensor], k_new: Optional[torch.Tensor],
-      v_new: Optional[torch.Tensor]) -> torch.Tensor:
-    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
-
-
 PAGED_ATTENTION_OP = torch.ops.graphrt_hf.paged_attention
+RING_ATTENTION_OP = torch.ops.graphrt_hf.ring_attention
+
+
+def splitting_ops(layout: KVLayout) -> List[Any]:
+    """The ops a prefill or mixed step of ``layout``'s model calls (its piecewise graphs split at each):
+    ``RING_ATTENTION_OP`` for sliding layers keeping a ring of their own, ``PAGED_ATTENTION_OP`` for the rest."""
+    ring = [bool(layer.ring) and layout.stores(index) for index, layer in enumerate(layout.layers)]
+    return [op for op, used in ((PAGED_ATTENTION_OP, not all(ring)), (RING_ATTENTION_OP, any(ring))) if used]
 
 
 @dataclass
@@ -212,11 +244,11 @@ class PagedAttnBackend:
         k_buffer, v_buffer = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         stores = self.layout.stores(layer_id)
         if not forward_batch.forward_mode.is_decode_or_idle():
-            if stores and not layer.ring:
+            if layer.ring and stores:
+                return RING_ATTENTION_OP(q, k, v, k_buffer, v_buffer, scale, layer.window, layer.ring, softcap, sinks)
+            if stores:
                 self._store(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
-            ring_writes = (k, v) if stores and layer.ring else (None, None)
-            return PAGED_ATTENTION_OP(q, k_buffer, v_buffer, scale, layer.window, layer.ring, softcap, sinks,
-                                      *ring_writes)
+            return PAGED_ATTENTION_OP(q, k_buffer, v_buffer, scale, layer.window, layer.ring, softcap, sinks)
         if stores:
             self._store(k_buffer, v_buffer, self._ring_writes(forward_batch, layer.ring) if layer.ring
                         else forward_batch.out_cache_loc, k, v)
@@ -288,5 +320,6 @@ def register_paged_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-__all__ = ["ATTENTION_NAME", "PAGED_ATTENTION_OP", "DecodeMetadata", "PagedAttnBackend", "paged_attention",
-           "paged_attention_forward", "register_paged_attention"]
+__all__ = ["ATTENTION_NAME", "DecodeMetadata", "PAGED_ATTENTION_OP", "PagedAttnBackend", "RING_ATTENTION_OP",
+           "paged_attention", "paged_attention_forward", "register_paged_attention", "ring_attention",
+           "splitting_ops"]

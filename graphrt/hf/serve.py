@@ -47,13 +47,9 @@ class Request:
     assigned: int = 0  # KV slots mapped in its table row (released with it, whatever happens to the step)
     cached: int = 0
 
-    @property
-    def prompt(self) -> List[int]:
-        return self.tokens.prompt
-
-    @property
-    def output(self) -> List[int]:
-        return self.tokens.output
+    def __post_init__(self) -> None:
+        self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
+        self.output: List[int] = self.tokens.output
 
     @property
     def prefilling(self) -> bool:
