@@ -18,8 +18,9 @@ CPU threads: on a shared machine more threads than free cores make every op spin
 Then: the bytes a cached token takes per layer in the engine's KV pools against the model's minimum
 (multi-head latent attention's latent; see graphrt.hf.kv_layout), and the time of one graphed decode
 step of ``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each
-``max_context`` of ``--contexts``: (time of a call generating 1 + ``DECODE_STEPS`` tokens - time of a
-call generating 1) / ``DECODE_STEPS``, the least of ``REPEATS`` runs, all on one engine per context.
+``max_context`` of ``--contexts``: the time in the runner per decode step of a call generating 1 +
+``DECODE_STEPS`` tokens (``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS``
+calls after one that captures, on one engine per context.
 """
 
 from __future__ import annotations
@@ -85,18 +86,12 @@ def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, m
     prompts = ragged_prompts([real_tokens - DECODE_STEPS] * max_requests, seed=5)
     engine = graphrt.hf.engine_model(model, max_requests=max_requests, max_context=max_context, max_step_tokens=64,
                                      kv_slots=max_requests * real_tokens + 1)
-
-    def seconds(new_tokens: int) -> float:
-        start = time.perf_counter()
-        engine.generate(prompts, max_new_tokens=new_tokens, eos_token_id=None)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    seconds(1 + DECODE_STEPS)  # capture
-    prefill = min(seconds(1) for _ in range(REPEATS))
-    whole = min(seconds(1 + DECODE_STEPS) for _ in range(REPEATS))
-    return 1e3 * (whole - prefill) / DECODE_STEPS
+    times = []
+    for _ in range(1 + REPEATS):  # the first captures
+        engine.generate(prompts, max_new_tokens=1 + DECODE_STEPS, eos_token_id=None)
+        serve = engine.stats()["serve"]
+        times.append(serve["decode_runner_seconds"] / serve["decode_steps"])
+    return 1e3 * min(times[1:])
 
 
 def kv_line(engine: graphrt.hf.HFEngine) -> str:

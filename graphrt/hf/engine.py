@@ -88,6 +88,7 @@ class HFEngine:
         self._stats: Dict[str, Any] = {}
         self._model_calls = 0
         self._in_runner = 0.0  # seconds in the runners' calls during the current call
+        self._in_decode = 0.0  # of those, in decode steps and launches
         logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s", type(model).__name__, slots,
                     layout.pool_bytes() / 2**20, layout.describe())
 
@@ -180,8 +181,9 @@ class HFEngine:
         used (``runners``; decode runners named by the width their attention reads, ``decode_widths``),
         their counts during the call summed (graph_runs, piecewise_runs, eager_runs, eager_reasons, ...),
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
-        many replayed, prefill tokens, how many in piecewise graphs), ``seconds`` and ``runner_seconds``
-        (the time in the runners' calls; the rest is scheduling, batch building and sampling)."""
+        many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
+        time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
+        ``decode_runner_seconds`` (decode steps and launches)."""
         with self._lock:
             if not self._stats:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -207,14 +209,15 @@ class HFEngine:
     def _call(self, counts: ServeCounts) -> Iterator[None]:
         """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
         before = self.runners.snapshot()
-        self._in_runner = 0.0
+        self._in_runner = self._in_decode = 0.0
         start = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
             self._stats = {**self.runners.call_stats(before),
-                           "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner}}
+                           "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner,
+                                     "decode_runner_seconds": self._in_decode}}
 
     def _step_functions(self, graphs: bool, steps_per_launch: int) -> Tuple[Any, Any]:
         """``serve``'s step and launch: each batch to the runner that serves it, timed, with how many of
@@ -225,7 +228,10 @@ class HFEngine:
             key, runner = runners.for_batch(graphs, batch)
             calls, start = self._model_calls, time.perf_counter()
             logits = runner(batch)
-            self._in_runner += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._in_runner += seconds
+            if batch.forward_mode.is_decode_or_idle():
+                self._in_decode += seconds
             eager = self._model_calls - calls
             if eager:
                 runners.after_eager_step(key, runner)
@@ -235,7 +241,9 @@ class HFEngine:
             key, runner = runners.for_batch(graphs, batch, steps_per_launch, steps)
             calls, start = self._model_calls, time.perf_counter()
             tokens = runner.decode(batch, steps)
-            self._in_runner += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._in_runner += seconds
+            self._in_decode += seconds
             eager = self._model_calls - calls
             if eager:
                 runners.after_eager_step(key, runner)
