@@ -1,5 +1,8 @@
 # make test / make bench: create or reuse .venv, install what is missing, run.
 # make test also runs the Hugging Face tests on the oldest supported transformers, in a second venv.
+# make test-cuda: the cuda-marked tests on the python found ($(PYTHON)) when its torch sees a GPU, installing
+# nothing (the GPU machines have torch, transformers and pytest, and no network); else through .venv.
+# On a GPU machine with 15 minutes, run scripts/gpu_first_session.sh instead (docs/BENCHMARKS.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -30,7 +33,7 @@ OLDEST_TESTS ?= tests/test_hf_cache_keyword.py tests/test_hf_window_layers.py te
 define venv_with
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(1)/bin/python -m pip install -q torch; \
+		$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install -q torch; \
 	else \
 		$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install -q $(TORCH_CPU); \
 	fi
@@ -54,8 +57,15 @@ test-newest: $(STAMP)
 test-oldest-transformers: $(OLDEST_STAMP)
 	PYTHONPATH=. $(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
 
-test-cuda: $(STAMP)
-	PYTHONPATH=. $(PY) -m pytest -q -m cuda
+SEES_CUDA = import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
+
+test-cuda:
+	@if $(PYTHON) -c "$(SEES_CUDA)" 2>/dev/null; then \
+		echo "test-cuda: $(PYTHON)'s torch sees a GPU: running on it, installing nothing"; \
+		PYTHONPATH=. $(PYTHON) -m pytest -q -m cuda; \
+	else \
+		$(MAKE) --no-print-directory $(STAMP) && PYTHONPATH=. $(PY) -m pytest -q -m cuda; \
+	fi
 
 bench: $(STAMP)
 	PYTHONPATH=. $(PY) scripts/bench.py $(BENCH_ARGS)

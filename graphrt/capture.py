@@ -179,7 +179,7 @@ class KeyCapture:
         try:
             if self.compiled:
                 compile_warmup(self.backend, step, journal)
-            graph = capture_graph(self.backend, step, warmup_iters, record, journal)
+            graph = capture_graph(self.backend, step, warmup_iters, record, journal, capture_path=not self.compiled)
             check_devices(entry, graph, self.backend.graph_device)
         except Exception as caught:  # a failed capture disables only this key
             error = caught
@@ -281,19 +281,21 @@ def compile_warmup(backend: GraphBackend, fn: Callable[[], Any], journal: StateJ
 
 
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
-                  journal: Optional[StateJournal] = None) -> CapturedGraph:
+                  journal: Optional[StateJournal] = None, capture_path: bool = False) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The
     generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
-    ``journal``: the StateJournal to use, for a caller that reads what the step wrote."""
+    ``journal``: the StateJournal to use, for a caller that reads what the step wrote. ``capture_path``:
+    the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
+    step, whose compiled code must not see a patched flag)."""
     record = backend.capture if record is None else record
     journal = StateJournal() if journal is None else journal
     graph = None
     with torch.no_grad():
         try:
             with journal, eager_stance():
-                with backend.warmup_context():
+                with backend.warmup_context(capture_path):
                     for _ in range(warmup_iters):
                         fn()
                         journal.put_back()  # each run starts from the state as it was (a cache's length)

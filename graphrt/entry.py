@@ -16,7 +16,7 @@ from typing import (
 
 import torch
 
-from graphrt.backends import CapturedGraph
+from graphrt.backends import CapturedGraph, another_capture_error
 from graphrt.batch import ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
 from graphrt.guards import GuardSpec, KeyGuard
@@ -208,21 +208,25 @@ def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int
     pad values (no value of the failed step stays for a later step or capture), then the step runs
     eagerly (``run_eager(EagerReason.REPLAY_FAILED, *eager_args)``). If eager raises too, the input
     was at fault: its error surfaces and the key stays in use. If eager succeeds, the graph was at
-    fault: the key is disabled. Without ``run_eager`` (lockstep: the peers replayed) the key is
-    disabled and the replay's error surfaces."""
+    fault: the key is disabled, unless the error was another capture's (``another_capture_error``:
+    torch <= 2.11 fails every replay while any capture of the process is under way). Without
+    ``run_eager`` (lockstep: the peers replayed) the key is disabled and the replay's error surfaces."""
     try:
         return entry.replay(call, num_tokens, num_reqs)
     except Exception as replay_error:
         why = f"replay raised {type(replay_error).__name__}: {replay_error}"
+        its_own = not another_capture_error(replay_error)
         try:
             entry.stager.reset()
         except Exception as reset_error:  # never in the way of the eager step (slots are made to be writable)
             disable(entry, f"{why}; its static slots could not be reset: {reset_error}")
         if run_eager is None:
-            disable(entry, why)
+            if its_own:
+                disable(entry, why)
             raise
         result = run_eager(EagerReason.REPLAY_FAILED, *eager_args)  # raises: the input's fault, the key stays
-        disable(entry, f"{why} (the same step ran eagerly)")
+        if its_own:
+            disable(entry, f"{why} (the same step ran eagerly)")
         return result
 
 

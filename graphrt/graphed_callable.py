@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrt.backends import (
-    graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
+    graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device, step_lock,
 )
 from graphrt.backends.compiled import is_compiled
 from graphrt.batch import ForwardMode, debug_enabled
@@ -243,7 +243,7 @@ class GraphedCallable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
-        with self._lock:
+        with self._lock, step_lock():  # no step while another thread captures, where torch needs it
             state = self._watch.token()
             layout, leaves, batch_size = self.layouts.find(args, kwargs, state)
             if batch_size:

@@ -19,6 +19,7 @@ import torch
 
 from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
+    step_lock,
 )
 from graphrt.backends.compiled import is_compiled
 from graphrt.backends.state_journal import storage_key
@@ -310,7 +311,7 @@ class GraphRunner:
             return self._lockstep_call(batch)
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-        with self._lock:
+        with self._lock, step_lock():  # no step while another thread captures, where torch needs it
             batch.validate(self.device, self.debug, self.config.check_values, self._limits)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             return self._route(batch)
@@ -327,7 +328,7 @@ class GraphRunner:
             raise ValueError("process_group: decode() runs several steps in one call; a lockstep runner "
                              "agrees with its peers on every step: call it once per step")
         check_call(batch, steps, next_tokens)
-        with self._lock:
+        with self._lock, step_lock():
             batch.validate(self.device, self.debug, self.config.check_values, self._limits, steps)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             return self._decoder.run(batch, steps, next_tokens)
@@ -352,7 +353,7 @@ class GraphRunner:
         not hang, then raises.
         """
         error: Optional[Exception] = None
-        with self._lock:
+        with self._lock, step_lock():
             try:
                 if batch is not None:
                     if not isinstance(batch, ForwardBatch):

@@ -237,9 +237,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     names = [args.check] if args.check else list(CHECKS)
-    results = [run_check(name, args.device) if args.check else run_isolated(name, args.device) for name in names]
-    for result in results:
-        print(json.dumps(result, default=str), flush=True)
+    results = []
+    for name in names:  # each line as soon as its check ends: a session cut short keeps the lines before
+        results.append(run_check(name, args.device) if args.check else run_isolated(name, args.device))
+        print(json.dumps(results[-1], default=str), flush=True)
     return 0 if all(result["ok"] for result in results) else 1
 
 

@@ -1,4 +1,4 @@
-"""One minute that tells whether this GPU's torch behaves as graphrt's CUDA backend assumes (issue 33).
+"""A minute or two that tells whether this GPU's torch behaves as graphrt's CUDA backend assumes (issues 33, 40).
 
     PYTHONPATH=. python3 scripts/gpu_probe.py                 # every probe, each in a process of its own
     PYTHONPATH=. python3 scripts/gpu_probe.py --probe NAME    # one probe, in this process
@@ -6,7 +6,9 @@
 Each probe runs plain ``torch.cuda`` calls (and, where graphrt has a remedy, the remedy), prints one
 JSON line with what it saw, what graphrt's model of this torch (tests/fake_cuda.py) expects, and
 ``agrees``. The mechanisms come from PyTorch's sources, not from a run: a line with ``agrees: false``
-means the model, and the fix resting on it, must be revisited (docs/RELIABILITY.md, issue 33).
+means the model, and the fix resting on it, must be revisited (docs/RELIABILITY.md).
+
+Issue 33's rules:
 
 - ``rng_after_invalidated_capture``: a capture invalidated by ``.item()``; does an eager draw then
   raise "Offset increment outside graph capture" (torch <= 2.11: yes), and does one empty capture
@@ -15,9 +17,29 @@ means the model, and the fix resting on it, must be revisited (docs/RELIABILITY.
   the first free memory (the stream's cuBLAS workspace, pytorch#175276: after 2.11) that the second
   still uses, and does clearing the workspaces around each capture (graphrt's remedy) prevent it?
 - ``capture_executes_nothing``: an output read between ``capture_end`` and the first replay.
-- ``second_capture_in_another_thread``: a capture begun while another thread captures.
 - ``empty_cache_during_capture``: ``torch.cuda.empty_cache()`` while a capture is under way.
-- ``segment_rounding``: the pool bytes a 7.8 MiB and a 1 KiB output reserve (20 MiB, 2 MiB).
+- ``segment_rounding``: the pool bytes a 7.8 MiB and a 1 KiB output reserve (20 MiB, 2 MiB), the
+  default generator registered already.
+
+Issue 40's predictions, one probe each (the number is the issue's item):
+
+- 1 ``replay_during_another_capture``: while another thread captures, does a replay and an eager
+  draw raise "Offset increment outside graph capture" (torch <= 2.11: the generator's flag is the
+  process's), and does the replay work once that capture ended?
+- 2 ``grouped_mm_fallback``: a ``grouped_mm`` with offsets captured in float32 and bfloat16: does
+  each capture fail exactly where graphrt's ``grouped_mm_fallback_reason`` says it syncs (every
+  dtype but bfloat16; bfloat16 off compute capability 9.x/10.x)?
+- 3 ``cublas_workspace_in_pool``: the workspaces cleared, a capture of one matmul: does the pool
+  grow by the output's segment plus ``cublas_workspace_bytes`` (32 MiB from Hopper on)?
+- 4 ``second_capture_in_another_thread``: is a capture begun while another thread captures legal
+  (``thread_local`` mode: yes)? ``first_capture_generator_segment``: does the process's first
+  capture reserve a 2 MiB segment (the default generator's seed and offset; torch <= 2.11)?
+- 5 ``warmup_activations_reserved``: a step's warm-up, then its capture: without ``empty_cache()``
+  between them, is the pool's growth added to the warm-up's cached activations (about twice
+  them), and with it (graphrt's remedy, before each capture) about once?
+- 6 ``failed_capture_pool_released``: a capture invalidated after allocating 32 MiB in its pool, the
+  graph reset: does that memory stay reserved through ``empty_cache()`` (torch <= 2.11), and does
+  ``_cuda_releasePool`` (graphrt's remedy there) free it?
 """
 
 from __future__ import annotations
@@ -28,12 +50,19 @@ import json
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from graphrt.backends.cuda_pool import CAPTURE_ERROR_MODE, clear_cublas_workspaces, empty_capture, private_binding
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fake_cuda_allocator import block_size, segment_size  # noqa: E402 - the caching allocator's rounding
+
+from graphrt.backends.cuda_pool import (  # noqa: E402
+    CAPTURE_ERROR_MODE, clear_cublas_workspaces, cublas_workspace_bytes, empty_capture, private_binding,
+)
+from graphrt.backends.op_graph import grouped_mm_fallback_reason  # noqa: E402
 
 PROBE_TIMEOUT_S = 60
 MIB = 1 << 20
@@ -46,43 +75,68 @@ def torch_after_2_11() -> bool:
     return (major, minor) > (2, 11)
 
 
-def _invalidated_capture(stream: "torch.cuda.Stream") -> str:
-    """Begin a capture on ``stream``, invalidate it with a host read, end it; the error it ended with."""
-    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-    x = torch.ones(4, device=DEVICE)
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
-        try:
-            (x * 2).sum().item()
-        except RuntimeError:
-            pass
-        try:
-            graph.capture_end()
-            error = ""
-        except RuntimeError as caught:
-            error = str(caught).splitlines()[0]
-        end = private_binding("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
-        if end is not None:
-            try:
-                end(torch.cuda.current_device(), pool)
-            except RuntimeError:
-                pass  # torch ended the routing itself
-    return error
-
-
-def _draw() -> str:
-    """An eager draw from the default CUDA generator: "" when it works, else the error's first line."""
+def _error_of(call: Callable[[], Any]) -> str:
+    """"" when ``call()`` works, else its error's first line."""
     try:
-        torch.rand(2, device=DEVICE)
+        call()
         return ""
     except RuntimeError as error:
         return str(error).splitlines()[0]
 
 
+def _capture_errors(step: Callable[[], Any], graph: Optional["torch.cuda.CUDAGraph"] = None,
+                    pool: Any = None) -> Tuple[str, str]:
+    """Capture ``step`` on a side stream (``graph`` into ``pool``; fresh ones by default): the errors of
+    the step and of ``capture_end`` ("" when none). After one, the pool routing torch <= 2.11 left on
+    is ended."""
+    graph = torch.cuda.CUDAGraph() if graph is None else graph
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+        step_error = _error_of(step)
+        end_error = _error_of(graph.capture_end)
+        end = private_binding("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
+        if (step_error or end_error) and end is not None:
+            _error_of(lambda: end(torch.cuda.current_device(), pool))  # raises where torch ended it itself
+    return step_error, end_error
+
+
+def _invalidated_capture(graph: Optional["torch.cuda.CUDAGraph"] = None, pool: Any = None,
+                         step: Callable[[], Any] = lambda: None) -> str:
+    """A capture of ``step`` invalidated by a host read: the error ``capture_end`` raised."""
+    x = torch.ones(4, device=DEVICE)
+    return _capture_errors(lambda: (step(), (x * 2).sum().item()), graph, pool)[1]
+
+
+def _draw() -> str:
+    """An eager draw from the default CUDA generator: "" when it works, else the error's first line."""
+    return _error_of(lambda: torch.rand(2, device=DEVICE))
+
+
+def _captured(step: Callable[[], Any], pool: Any = None) -> "torch.cuda.CUDAGraph":
+    """``step`` captured on a side stream (into ``pool``; None: a pool of its own)."""
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+        step()
+        graph.capture_end()
+    return graph
+
+
+def _reserved_growth(run: Callable[[], Any]) -> int:
+    """The bytes ``run()`` adds to ``memory_reserved()``."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved() - before
+
+
 def probe_rng_after_invalidated_capture() -> Dict[str, Any]:
     stream = torch.cuda.Stream()
     torch.rand(1, device=DEVICE)  # the default generator exists before the capture
-    end_error = _invalidated_capture(stream)
+    end_error = _invalidated_capture()
     draw_error = _draw()
     with torch.cuda.stream(stream):
         empty_capture(None).reset()
@@ -150,32 +204,67 @@ def probe_capture_executes_nothing() -> Dict[str, Any]:
             "agrees": not computed_at_capture and bool((y == 22).all())}
 
 
-def probe_second_capture_in_another_thread() -> Dict[str, Any]:
-    began, release, seen = threading.Event(), threading.Event(), {}
+def _while_another_thread_captures(run: Callable[[], Any]) -> Any:
+    """``run()``'s result, called while another thread's capture (``thread_local``) is under way."""
+    began, release = threading.Event(), threading.Event()
 
-    def first() -> None:
+    def capture() -> None:
         stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
             began.set()
             release.wait(timeout=20)
             graph.capture_end()
 
-    thread = threading.Thread(target=first)
+    thread = threading.Thread(target=capture)
     thread.start()
     began.wait(timeout=20)
-    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
-            graph.capture_end()
-        seen["error"] = ""
-    except RuntimeError as error:
-        seen["error"] = str(error).splitlines()[0]
+        return run()
     finally:
         release.set()
         thread.join(timeout=20)
-    return {"second_capture_error": seen["error"], "agrees": bool(seen["error"])}
+
+
+def probe_second_capture_in_another_thread() -> Dict[str, Any]:
+    error = _while_another_thread_captures(lambda: _error_of(lambda: _captured(lambda: None)))
+    return {"second_capture_error": error, "expected_legal": True, "agrees": error == ""}
+
+
+def probe_replay_during_another_capture() -> Dict[str, Any]:
+    x = torch.ones(4, device=DEVICE)
+    graph = _captured(lambda: x * 2)
+    replay_error, draw_error = _while_another_thread_captures(lambda: (_error_of(graph.replay), _draw()))
+    after = _error_of(graph.replay)
+    expected_raise = not torch_after_2_11()
+    return {"replay_error": replay_error, "draw_error": draw_error, "replay_error_after": after,
+            "expected_raise": expected_raise,
+            "agrees": bool(replay_error) == expected_raise and bool(draw_error) == expected_raise and after == ""}
+
+
+def probe_first_capture_generator_segment() -> Dict[str, Any]:
+    kept: List[Any] = []
+    grown = _reserved_growth(lambda: kept.append(_captured(lambda: None)))
+    expected = 0 if torch_after_2_11() else 2 * MIB
+    return {"first_capture_reserved_bytes": grown, "expected": expected, "agrees": grown == expected}
+
+
+def probe_cublas_workspace_in_pool() -> Dict[str, Any]:
+    anchor = _captured(lambda: None)  # the default generator's seed and offset, outside the measurement
+    a = torch.randn(256, 256, device=DEVICE)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        a @ a  # cuBLAS's handle and a workspace outside any pool
+    torch.cuda.synchronize()
+    clear_cublas_workspaces()
+    kept: List[Any] = []
+    grown = _reserved_growth(lambda: kept.append(_captured(lambda: a @ a, torch.cuda.graph_pool_handle())))
+    workspace = cublas_workspace_bytes(torch.cuda.get_device_capability())
+    expected = segment_size(block_size(256 * 256 * 4)) + segment_size(block_size(workspace))
+    del anchor
+    return {"pool_growth_bytes": grown, "workspace_bytes": workspace, "expected": expected,
+            "agrees": grown == expected}
 
 
 def probe_empty_cache_during_capture() -> Dict[str, Any]:
@@ -195,6 +284,7 @@ def probe_empty_cache_during_capture() -> Dict[str, Any]:
 
 
 def probe_segment_rounding() -> Dict[str, Any]:
+    anchor = _captured(lambda: None)  # the default generator's seed and offset (issue 40, item 4)
     reserved = {}
     for name, numel in (("7.8MiB", int(7.8 * MIB) // 4), ("1KiB", 256)):
         stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
@@ -206,16 +296,95 @@ def probe_segment_rounding() -> Dict[str, Any]:
             graph.capture_end()
         torch.cuda.synchronize()
         reserved[name] = torch.cuda.memory_reserved() - before
+    del anchor
     return {"reserved_bytes": reserved, "agrees": reserved == {"7.8MiB": 20 * MIB, "1KiB": 2 * MIB}}
+
+
+def probe_grouped_mm_fallback() -> Dict[str, Any]:
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    seen = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the one expected to fail last: it leaves the generator stuck
+        a = torch.randn(16, 64, device=DEVICE, dtype=dtype)
+        b = torch.randn(4, 64, 32, device=DEVICE, dtype=dtype)
+        offs = torch.tensor([4, 8, 12, 16], device=DEVICE, dtype=torch.int32)
+        grouped(a, b, offs=offs)  # warm-up
+        error = " / ".join(filter(None, _capture_errors(lambda: grouped(a, b, offs=offs))))
+        seen[str(dtype).removeprefix("torch.")] = {"capture_error": error,
+                                                   "graphrt_names_a_sync": grouped_mm_fallback_reason(a, b) is not None}
+    return {"capability": list(torch.cuda.get_device_capability()), **seen,
+            "agrees": all(bool(each["capture_error"]) == each["graphrt_names_a_sync"] for each in seen.values())}
+
+
+def _capture_after_warmup(empty_cache_first: bool, activation_bytes: int) -> int:
+    """Reserved growth of a warm-up and a capture of a step with ``activation_bytes`` of activations."""
+    x = torch.randn(activation_bytes // 4, device=DEVICE)
+    stream, kept = torch.cuda.Stream(), []
+    torch.cuda.empty_cache()
+
+    def warm_up_and_capture() -> None:
+        with torch.cuda.stream(stream):
+            (x * 2).sum()
+        torch.cuda.synchronize()
+        if empty_cache_first:
+            torch.cuda.empty_cache()
+        kept.append(_captured(lambda: (x * 2).sum(), torch.cuda.graph_pool_handle()))
+
+    grown = _reserved_growth(warm_up_and_capture)
+    del kept, x
+    torch.cuda.empty_cache()
+    return grown
+
+
+def probe_warmup_activations_reserved() -> Dict[str, Any]:
+    activations = 128 * MIB
+    anchor = _captured(lambda: None)
+    plain, remedied = _capture_after_warmup(False, activations), _capture_after_warmup(True, activations)
+    del anchor
+    return {"activation_bytes": activations, "plain_growth": plain, "with_empty_cache_growth": remedied,
+            "agrees": plain >= 2 * activations and activations <= remedied < activations + 4 * MIB}
+
+
+def _failed_capture_reserved(release: bool) -> int:
+    """Reserved bytes left after a capture invalidated with 32 MiB allocated in its pool, its graph
+    reset (and with ``release``, the pool reference given back) and the cache emptied."""
+    graph, pool, kept = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), []
+
+    def fail_and_clean() -> None:
+        _invalidated_capture(graph, pool, lambda: kept.append(torch.empty(8 * MIB, device=DEVICE)))
+        kept.clear()
+        graph.reset()
+        if release:
+            private_binding("_cuda_releasePool")(torch.cuda.current_device(), pool)
+        torch.cuda.empty_cache()
+
+    return _reserved_growth(fail_and_clean)
+
+
+def probe_failed_capture_pool_released() -> Dict[str, Any]:
+    anchor = _captured(lambda: None)
+    plain = _failed_capture_reserved(False)
+    if torch_after_2_11():  # reset() may release it itself (pytorch#190348): a second release could abort
+        return {"left_reserved": plain, "expected": None, "agrees": True}
+    remedied = _failed_capture_reserved(True)
+    del anchor
+    expected = 32 * MIB + segment_size(block_size(16))  # the 32 MiB block, and the host read's small tensors
+    return {"left_reserved": plain, "left_reserved_after_release": remedied, "expected_left": expected,
+            "agrees": plain == expected and remedied == 0}
 
 
 PROBES: Dict[str, Callable[[], Dict[str, Any]]] = {
     "rng_after_invalidated_capture": probe_rng_after_invalidated_capture,
     "reset_frees_cublas_workspace": probe_reset_frees_cublas_workspace,
     "capture_executes_nothing": probe_capture_executes_nothing,
-    "second_capture_in_another_thread": probe_second_capture_in_another_thread,
     "empty_cache_during_capture": probe_empty_cache_during_capture,
     "segment_rounding": probe_segment_rounding,
+    "replay_during_another_capture": probe_replay_during_another_capture,
+    "grouped_mm_fallback": probe_grouped_mm_fallback,
+    "cublas_workspace_in_pool": probe_cublas_workspace_in_pool,
+    "second_capture_in_another_thread": probe_second_capture_in_another_thread,
+    "first_capture_generator_segment": probe_first_capture_generator_segment,
+    "warmup_activations_reserved": probe_warmup_activations_reserved,
+    "failed_capture_pool_released": probe_failed_capture_pool_released,
 }
 
 
@@ -247,9 +416,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}), flush=True)
     names = [args.probe] if args.probe else list(PROBES)
-    results = [run_probe(name) if args.probe else run_isolated(name) for name in names]
-    for result in results:
-        print(json.dumps(result, default=str), flush=True)
+    results = []
+    for name in names:  # each line as soon as its probe ends: a session cut short keeps the lines before
+        results.append(run_probe(name) if args.probe else run_isolated(name))
+        print(json.dumps(results[-1], default=str), flush=True)
     return 0 if all(result.get("agrees") for result in results) else 1
 
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Everything that needs an NVIDIA GPU, in steps that each finish well within the 10 minutes one
-# command may run on the device machines (each step is also cut at 9 minutes here), in the order
-# that tells the most first. All six fit in about 30 minutes of GPU time (docs/BENCHMARKS.md):
+# Everything that needs an NVIDIA GPU, one step per command, each cut at 9 minutes (one command may run
+# 10 minutes on the device machines). The first session of 15 minutes runs scripts/gpu_first_session.sh
+# instead (every step below but bench, under one budget); this script serves the second session (bench) and
+# sessions that follow up on one step (docs/BENCHMARKS.md has the plan):
 #
-#   scripts/gpu_suite.sh probe   # ~1 min: does this torch behave as the CUDA backend assumes? (gpu_probe.py)
-#   scripts/gpu_suite.sh core    # ~3 min: the CUDA backend's cuda-marked tests (first-run items, pools, capture memory)
-#   scripts/gpu_suite.sh pools   # ~2 min: graph-pool life over many steps (gpu_checks.py, a process per check)
-#   scripts/gpu_suite.sh rest    # ~5 min: every other cuda-marked test but NCCL's
-#   scripts/gpu_suite.sh nccl    # ~1 min: lockstep on a 1-rank NCCL group (docs/DISTRIBUTED.md)
-#   scripts/gpu_suite.sh bench   # ~6 min: the benchmark on the tiny and realistic models, without torch.compile
+#   scripts/gpu_suite.sh probe   # does this torch behave as the CUDA backend assumes? (gpu_probe.py)
+#   scripts/gpu_suite.sh core    # the CUDA backend's cuda-marked tests (first-run items, pools, memory, predictions)
+#   scripts/gpu_suite.sh pools   # graph-pool life over many steps (gpu_checks.py, a process per check)
+#   scripts/gpu_suite.sh rest    # every other cuda-marked test but NCCL's
+#   scripts/gpu_suite.sh nccl    # lockstep on a 1-rank NCCL group (docs/DISTRIBUTED.md)
+#   scripts/gpu_suite.sh bench   # the benchmark on the tiny and realistic models, without torch.compile
 #   scripts/gpu_suite.sh all     # every step in order, in one command (a machine without that limit)
 #
 # Each step writes machine.txt and <step>.log (bench: also two JSON and two PNG) to ${OUT:-gpu_out}
@@ -20,7 +21,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 STEP_LIMIT=540
-CORE_TESTS=(tests/test_cuda_first_run.py tests/test_cuda_pool.py tests/test_capture_memory.py tests/test_gpu_probe.py)
+CORE_TESTS=(tests/test_cuda_first_run.py tests/test_cuda_pool.py tests/test_capture_memory.py
+            tests/test_cuda_predictions.py tests/test_gpu_probe.py)
 NCCL_TEST=tests/test_lockstep_agreement.py::test_one_rank_nccl_group_captures_the_models_all_reduce_in_the_graph
 
 machine() {

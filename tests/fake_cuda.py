@@ -40,25 +40,30 @@ an op makes during a capture holds garbage (NaN, or 0 for integers) until a repl
 pool memory holds whatever was there. The default CUDA generator's capture (``capture_prologue`` in
 ``capture_begin``, ``capture_epilogue`` at the end of a successful ``capture_end``) sticks after an
 invalidated capture up to 2.11: every later eager draw raises "Offset increment outside graph
-capture" until a capture succeeds (pytorch#176752 runs the epilogue first). cuBLAS keeps one
-workspace per stream, allocated in the capture's pool on the first matmul captured there and reused
-by every later capture on that stream; from pytorch#175276 ``reset()`` frees it under the graphs that
-still use it (their replay: an illegal address). One capture at a time: a second capture in the
-process raises. ``empty_cache()`` frees pools whose blocks no tensor owns: a tensor still viewing
-that memory (a non-owning output) then reads freed memory, an illegal address. A capture past the
-allocator's ``capacity`` runs out of memory (it cannot free other pools' cached segments). Blocks
-round to 512 bytes in 2 MiB / 20 MiB / own segments (tests/fake_cuda_allocator.py).
+capture" until a capture succeeds (pytorch#176752 runs the epilogue first). Up to 2.11 that flag is
+one for the process (issue 40): while any capture is under way, another thread's eager draw and
+every replay (``replay_prologue``) raise it; the first graph to register the generator allocates its
+seed and offset outside the pools (a 2 MiB segment). Captures on several streams at once are legal
+(``cudaStreamBeginCapture`` in ``thread_local`` mode). cuBLAS keeps one workspace per stream,
+allocated in the capture's pool on the first matmul captured there (32 MiB on the Hopper modelled,
+``get_device_capability``) and reused by every later capture on that stream; from pytorch#175276
+``reset()`` frees it under the graphs that still use it (their replay: an illegal address).
+``empty_cache()`` frees pools whose blocks no tensor owns: a tensor still viewing that memory (a
+non-owning output) then reads freed memory, an illegal address. A capture past the allocator's
+``capacity`` runs out of memory (it cannot free other pools' cached segments). Blocks round to 512
+bytes in 2 MiB / 20 MiB / own segments (tests/fake_cuda_allocator.py).
 
 Not modelled: kernels' timing and streams' ordering (capture runs the ops on the CPU, then replaces
 what they made with garbage; its in-place writes to older tensors happen, where a GPU only records
 them), block fragmentation inside a segment, graph-safe random numbers (a replay draws from the CPU
 generator), explicit CUDA generators,
 host syncs other than ``_local_scalar_dense``/``nonzero``/``equal``/``is_nonzero`` and device
-synchronize (a pageable copy cannot be told from a CPU copy here), other threads and
-``capture_error_mode`` beyond its names (every capture is this thread's), streams' ordering
+synchronize (a pageable copy cannot be told from a CPU copy here), allocations outside graph pools
+other than the generator's (``memory_reserved`` counts the modelled segments only),
+``capture_error_mode`` beyond its names and ``thread_local``'s refused syncs, streams' ordering
 (``wait_stream`` is a no-op), several devices, ``MemPool``, and whether the GPU build at hand
 behaves as the ``TorchBehaviour`` chosen: the GPU twins in tests/test_cuda_pool.py and
-scripts/gpu_checks.py check that.
+scripts/gpu_checks.py, and scripts/gpu_probe.py's probes, check that.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map
 
 import graphrt.backends.cuda
+import graphrt.backends.cuda_pool
+import graphrt.backends.session
 import graphrt.capture
 
 aten = torch.ops.aten
@@ -183,11 +190,11 @@ class FakeCUDAGraph:
         if capture_error_mode not in CAPTURE_MODES:
             raise RuntimeError(f"Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got "
                                f"{capture_error_mode}")
+        self.cuda.effects.register_generator(self)  # and capture_prologue, before the checks below (2.11)
         stream = self.cuda.current_stream()
         if stream.default:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
         self.capture_stream = stream
-        self.cuda.effects.refuse_second_capture()
         if pool is not None and any(pool):
             self.cuda.allocator.internal_assert(not (pool[0] and pool[1]), "!(pool.first && pool.second)")
             self.pool_id = tuple(pool)
@@ -198,7 +205,6 @@ class FakeCUDAGraph:
         self.referenced = True  # reference is taken even when the routing is then refused
         allocator.route_to_pool(self.pool_id, stream)
         allocator.host_begin(self.pool_id)
-        self.cuda.effects.rng_capturing = True  # capture_prologue of the default generator
         stream.begin_capture(self, capture_error_mode)
         self.cuda.pools_begun.append(self.pool_id)
 
@@ -224,6 +230,7 @@ class FakeCUDAGraph:
     def replay(self) -> None:
         if not self.capture_ended:
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+        self.cuda.effects.check_replay()
         self.cuda.effects.check_workspaces(self)
         with torch.no_grad(), _disable_current_modes():  # a launch: no dispatch mode sees its kernels
             for op in self.ops:
@@ -240,6 +247,7 @@ class FakeCUDAGraph:
             self.cuda.effects.free_workspace(self.capture_stream)
         self.capture_ended = self.referenced = False
         self.ops = []
+        self.cuda.effects.unregister_generator(self)
         if release:
             self.cuda.allocator.release_pool(self.pool_id)
 
@@ -297,6 +305,7 @@ class FakeCuda:
         self.graphs: "weakref.WeakSet[FakeCUDAGraph]" = weakref.WeakSet()  # every graph alive
         self.pools_begun: List[PoolId] = []  # the pool of every capture_begin that got that far
         self.aborts: List[str] = []  # destructors that would have aborted the process
+        self.device_capability = (9, 0)  # a Hopper, as the GPU machines' H100 and H200
 
     # ---- torch.cuda -----------------------------------------------------------------------------
 
@@ -362,7 +371,8 @@ class FakeCuda:
             "synchronize": self.synchronize, "CUDAGraph": FakeCUDAGraph, "graph_pool_handle": self.graph_pool_handle,
             "is_current_stream_capturing": self.is_current_stream_capturing, "empty_cache": self.empty_cache,
             "memory_reserved": self.memory_reserved, "memory_allocated": self.memory_allocated,
-            "memory_stats": self.memory_stats,
+            "memory_stats": self.memory_stats, "get_device_capability": lambda device=None: self.device_capability,
+            "get_device_name": lambda device=None: "a Hopper faked on the CPU (tests/fake_cuda.py)",
         }
 
 
@@ -383,6 +393,10 @@ def install(monkeypatch: pytest.MonkeyPatch, behaviour: TorchBehaviour) -> Itera
     # Outputs are non-owning views of pool memory as on a GPU (the fake allocator keeps the CPU memory).
     monkeypatch.setattr(graphrt.backends.cuda, "non_owning", cuda.effects.non_owning)
     monkeypatch.setattr(FakeCuda, "installed", cuda)
+    # graphrt's gates on torch's release, as graphrt sets them on the release modelled
+    up_to_2_11 = behaviour in (TORCH_2_7, TORCH_2_11)
+    monkeypatch.setattr(graphrt.backends.session, "GENERATOR_FLAG_PROCESS_WIDE", up_to_2_11)
+    monkeypatch.setattr(graphrt.backends.cuda_pool, "RELEASE_FAILED_CAPTURE_POOL", up_to_2_11)
     # CPU tensors stand for device memory here, so capture's check that a CUDA graph's tensors live
     # on its device (tests/test_wrap_capture.py tests it) would refuse every key.
     monkeypatch.setattr(graphrt.capture, "check_devices", lambda entry, graph, device: None)

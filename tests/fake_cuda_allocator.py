@@ -29,13 +29,17 @@ class TorchBehaviour:
     end_binding: str  # the Python binding that ends a routing (renamed in 2.8)
     rng_epilogue_on_failure: bool = False  # a failed capture_end still ends the generators' capture (pytorch#176752)
     reset_frees_workspace: bool = False  # reset() frees the capture stream's cuBLAS workspace (pytorch#175276)
+    # Each capture keeps its own generator state (pytorch#176752): no capture flag shared by the process (up to
+    # 2.11 one flag per default generator: another thread's draw or replay raises while any capture is under
+    # way), and no seed and offset tensors allocated when the first graph registers the default generator.
+    rng_per_capture: bool = False
 
 
 # 2.12 stands for "a release after 2.11": pytorch#176752 and pytorch#175276 landed after the 2.11 branch cut.
 TORCH_2_7 = TorchBehaviour("2.7", False, False, "_cuda_endAllocateCurrentStreamToPool")
 TORCH_2_11 = TorchBehaviour("2.11", False, False, "_cuda_endAllocateToPool")
-TORCH_2_12 = TorchBehaviour("2.12", True, False, "_cuda_endAllocateToPool", True, True)
-TORCH_RESET_RELEASES = TorchBehaviour("pr190348", True, True, "_cuda_endAllocateToPool", True, True)
+TORCH_2_12 = TorchBehaviour("2.12", True, False, "_cuda_endAllocateToPool", True, True, True)
+TORCH_RESET_RELEASES = TorchBehaviour("pr190348", True, True, "_cuda_endAllocateToPool", True, True, True)
 BEHAVIOURS = (TORCH_2_7, TORCH_2_11, TORCH_2_12, TORCH_RESET_RELEASES)
 END_BINDINGS = ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
 
@@ -126,6 +130,7 @@ class FakeAllocator:
     allocator's routing by pool id (CachingHostAllocator ``begin_allocate_to_pool``)."""
 
     def __init__(self) -> None:
+        self.default_pool = PrivatePool((0, 0))  # the allocations outside graph pools the fake models
         self.graph_pools: Dict[PoolId, PrivatePool] = {}
         self.freeable: Dict[PoolId, PrivatePool] = {}
         self.captures_underway: List[Tuple[PoolId, "FakeStream"]] = []
@@ -199,11 +204,16 @@ class FakeAllocator:
                         f"{self.capacity} a capture may reserve (cached segments of other pools cannot be freed)")
                 return
 
+    def allocate_outside_pools(self, tensor: torch.Tensor) -> None:
+        """An allocation no capture routes (the default generator's seed and offset): the default pool."""
+        self.default_pool.allocate(tensor.untyped_storage())
+
     def empty_cache(self) -> None:
         """release_cached_blocks: synchronize_and_free_events asserts no capture routes, then frees
         each freeable pool whose blocks no tensor holds, which drops its id (cudaFree of its segments:
         a tensor still viewing that memory then reads freed memory)."""
         self.internal_assert(not self.captures_underway, "captures_underway.size() == 0")
+        self.default_pool.segments = [segment for segment in self.default_pool.segments if segment.allocated()]
         for pool_id, pool in list(self.freeable.items()):
             if not pool.in_use():
                 del self.freeable[pool_id], self.graph_pools[pool_id]
@@ -213,9 +223,10 @@ class FakeAllocator:
                         self.graveyard.append(storage)
 
     def reserved(self) -> int:
-        """Bytes the graph pools' segments hold."""
-        return sum(pool.reserved for pool in self.graph_pools.values())
+        """Bytes the modelled segments hold (the graph pools', and the default pool's)."""
+        return sum(pool.reserved for pool in (self.default_pool, *self.graph_pools.values()))
 
     def allocated(self) -> int:
-        """Bytes of graph-pool blocks a tensor still owns."""
-        return sum(segment.allocated() for pool in self.graph_pools.values() for segment in pool.segments)
+        """Bytes of modelled blocks a tensor still owns."""
+        return sum(segment.allocated() for pool in (self.default_pool, *self.graph_pools.values())
+                   for segment in pool.segments)

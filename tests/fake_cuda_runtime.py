@@ -1,11 +1,15 @@
-"""What a capture does and does not execute, for tests/fake_cuda.py's fake torch.cuda (issue 33).
+"""What a capture does and does not execute, for tests/fake_cuda.py's fake torch.cuda (issues 33, 40).
 
 A real capture records kernels and runs none: what a captured op makes is pool memory holding
-whatever was there. The default CUDA generator knows it is capturing between ``capture_prologue``
-and ``capture_epilogue`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp ``CUDAGeneratorState::increase``
-refuses a draw that disagrees with the stream's capture status). cuBLAS caches one workspace per
-(handle, stream) (aten/src/ATen/cuda/CublasHandlePool.cpp), allocated on the first matmul, inside
-a capture from the capture's pool. Memory the allocator gave back to the driver is an illegal
+whatever was there. Up to torch 2.11 the default CUDA generator has one capture flag for the process,
+on between ``capture_prologue`` and ``capture_epilogue`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp):
+``CUDAGeneratorState::increase`` refuses a draw that disagrees with the calling stream's capture
+status, and every replay calls it (``replay_prologue``), so another thread's draw or replay raises
+while any capture is under way; the first graph that registers the generator allocates its seed and
+offset (two 8-byte tensors, outside any graph pool). cuBLAS caches one workspace per (handle, stream)
+(aten/src/ATen/cuda/CublasHandlePool.cpp), allocated on the first matmul, inside a capture from the
+capture's pool: ``graphrt.backends.cuda_pool.cublas_workspace_bytes`` of the Hopper this fake
+models (``get_device_capability``), which scripts/gpu_probe.py checks on a GPU. Memory the allocator gave back to the driver is an illegal
 address to any kernel that reads it. Each rule is modelled here on CPU tensors.
 """
 
@@ -13,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from graphrt.backends.cuda_pool import cublas_workspace_bytes
 from graphrt.backends.state_journal import written_tensors
 
 if TYPE_CHECKING:
@@ -36,22 +42,16 @@ class CaptureEffects:
 
     def __init__(self, cuda: "FakeCuda") -> None:
         self.cuda = cuda
-        self.rng_capturing = False  # the default CUDA generator's ``capturing_``
-        self.workspaces: Dict["FakeStream", object] = {}  # the cuBLAS workspace cached per stream
-        self.freed_workspaces: List[object] = []
+        self.rng_capturing = False  # the default CUDA generator's ``capturing_`` (one for the process up to 2.11)
+        self.rng_graphs: "weakref.WeakSet[FakeCUDAGraph]" = weakref.WeakSet()  # graphs that registered it
+        self.rng_tensors: List[torch.Tensor] = []  # its seed and offset while a graph is registered
+        self.workspaces: Dict["FakeStream", Workspace] = {}  # the cuBLAS workspace cached per stream
+        self.freed_workspaces: List[Workspace] = []
         self.illegal_accesses: List[str] = []
 
     def _illegal(self, what: str) -> None:
         self.illegal_accesses.append(what)
         raise RuntimeError(f"{ILLEGAL_ADDRESS} ({what})")
-
-    # ---- one capture at a time ------------------------------------------------------------------
-
-    def refuse_second_capture(self) -> None:
-        """A capture while another stream of the process captures raises (one capture at a time)."""
-        if self.cuda.capturing_streams():
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
-                               "(cudaStreamBeginCapture: another capture is under way in this process)")
 
     # ---- garbage ----------------------------------------------------------------------------------
 
@@ -76,12 +76,38 @@ class CaptureEffects:
 
     # ---- the default generator ------------------------------------------------------------------
 
+    def register_generator(self, graph: "FakeCUDAGraph") -> None:
+        """capture_begin registers the default generator (up to 2.11, before anything else): the first
+        graph registered allocates its seed and offset outside the pools; then ``capture_prologue``."""
+        if self.cuda.behaviour.rng_per_capture:
+            return
+        if not self.rng_graphs:
+            self.rng_tensors = [torch.empty(1, dtype=torch.int64) for _ in range(2)]
+            for tensor in self.rng_tensors:
+                self.cuda.allocator.allocate_outside_pools(tensor)
+        self.rng_graphs.add(graph)
+        self.rng_capturing = True
+
+    def unregister_generator(self, graph: "FakeCUDAGraph") -> None:
+        """reset() unregisters it; the last graph gone frees the seed and offset (their segment stays cached)."""
+        self.rng_graphs.discard(graph)
+        if not self.rng_graphs:
+            self.rng_tensors = []
+
+    def check_replay(self) -> None:
+        """``replay_prologue``: the default generator's ``increase(0)`` outside a capture refuses while
+        its process-wide flag is on (another thread's capture under way)."""
+        if not self.cuda.behaviour.rng_per_capture and self.rng_capturing:
+            raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
+
     def check_draw(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], capturing: bool) -> None:
         """CUDAGeneratorState::increase for a draw from the default generator."""
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return
         if any(isinstance(leaf, torch.Generator) for leaf in tree_leaves((args, kwargs))):
             return  # an explicit generator: not modelled
+        if self.cuda.behaviour.rng_per_capture:
+            return  # each capture draws from a state of its own
         if capturing and not self.rng_capturing:
             raise RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
         if not capturing and self.rng_capturing:
@@ -90,21 +116,30 @@ class CaptureEffects:
     # ---- cuBLAS workspaces ------------------------------------------------------------------------
 
     def use_workspace(self, func: Any, stream: "FakeStream") -> None:
-        """A captured matmul uses the stream's cached workspace, allocated on the stream's first one."""
-        if func in CUBLAS_OPS:
-            workspace = self.workspaces.setdefault(stream, object())
-            if workspace not in stream.graph.workspaces:
-                stream.graph.workspaces.append(workspace)
+        """A captured matmul uses the stream's cached workspace, allocated in the capture's pool on the
+        stream's first one."""
+        if func not in CUBLAS_OPS:
+            return
+        workspace = self.workspaces.get(stream)
+        if workspace is None:
+            memory = torch.empty(cublas_workspace_bytes(self.cuda.device_capability), dtype=torch.uint8)
+            self.cuda.allocator.allocated_in_capture(stream, memory)
+            workspace = self.workspaces[stream] = Workspace(memory)
+        if workspace not in stream.graph.workspaces:
+            stream.graph.workspaces.append(workspace)
 
     def free_workspace(self, stream: "FakeStream") -> None:
         """pytorch#175276: a graph's reset() frees its capture stream's cached workspace."""
         workspace = self.workspaces.pop(stream, None)
         if workspace is not None:
+            workspace.memory = None
             self.freed_workspaces.append(workspace)
 
     def clear_workspaces(self) -> None:
-        """``torch._C._cuda_clearCublasWorkspaces``: forget the cached workspaces (the memory goes
-        back to its pool; graphs captured with one keep using their own)."""
+        """``torch._C._cuda_clearCublasWorkspaces``: forget the cached workspaces (their blocks go back
+        to their pool; graphs captured with one keep using its addresses)."""
+        for workspace in self.workspaces.values():
+            workspace.memory = None
         self.workspaces.clear()
 
     def check_workspaces(self, graph: "FakeCUDAGraph") -> None:
@@ -129,6 +164,13 @@ class CaptureEffects:
         if not isinstance(value, torch.Tensor):
             return value
         return graphrt_non_owning_view(value)
+
+
+class Workspace:
+    """One cuBLAS workspace: its memory while cuBLAS caches it (a freed block of its pool after)."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory: Optional[torch.Tensor] = memory
 
 
 def graphrt_non_owning_view(value: torch.Tensor) -> torch.Tensor:

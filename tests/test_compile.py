@@ -44,6 +44,24 @@ def test_wrap_of_an_inductor_compiled_module_equals_eager_and_replays():
     assert stats["graph_runs"] == 3 and stats["eager_reasons"] == {"warmup": 1}
 
 
+@pytest.mark.cuda
+def test_an_inductor_compiled_module_under_cuda_capture_equals_eager_and_replays():
+    """torch.compile's kernels (inductor, Triton) recorded in a graphrt CUDA graph (issue 40, item 7): each
+    size compiles with no capture under way, then records; replays give eager's numbers and state."""
+    model = Stepper().cuda().eval()
+    fast = graphrt.wrap(torch.compile(model, mode="max-autotune-no-cudagraphs"), max_batch_size=8, backend="cuda")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for call in range(1, 6):
+            x = torch.randn(3, 16, generator=generator).cuda()
+            out = fast(x)
+            assert int(model.steps) == call
+            torch.testing.assert_close(out, torch.nn.functional.gelu(model.linear(x)) * 2 + model.steps,
+                                       rtol=1e-4, atol=1e-4)
+    stats = fast.stats()
+    assert stats["backend"] == "cuda" and stats["graph_runs"] == 4 and stats["failed_keys"] == {}, stats
+
+
 def test_runner_of_a_compiled_model_equals_eager_and_replays():
     """``backend="aot_eager"``: torch.compile's tracing without inductor's C++ build (seconds, not tens)."""
     model = ToyPagedModel()

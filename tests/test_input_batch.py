@@ -329,7 +329,7 @@ def test_to_forward_batch_needs_kv_from_somewhere():
 def test_builds_never_allocate_and_copy_only_the_used_prefix():
     buffers = make_buffers(max_num_reqs=8, max_num_tokens=32)
     builder = BatchBuilder(buffers)
-    host_ptr, dev_ptr = buffers.host_arena.data_ptr(), buffers.device_arena.data_ptr()
+    host_ptrs, dev_ptr = {arena.data_ptr() for arena in buffers.host_arenas}, buffers.device_arena.data_ptr()
     expected_ptrs = {name: buffers.device_views[name].data_ptr() for name in ("input_ids", "positions", "seq_lens")}
     rng = np.random.default_rng(0)
     for step in range(100):
@@ -338,7 +338,7 @@ def test_builds_never_allocate_and_copy_only_the_used_prefix():
         for i, n in enumerate(lengths):
             builder.add_request(f"r{step}-{i}", np.full(n, step), np.arange(n), kv=KvSlots(i, block_ids=[i]))
         batch = builder.build()
-        assert buffers.host_arena.data_ptr() == host_ptr and buffers.device_arena.data_ptr() == dev_ptr
+        assert buffers.host_arena.data_ptr() in host_ptrs and buffers.device_arena.data_ptr() == dev_ptr
         for name, ptr in expected_ptrs.items():
             assert getattr(batch, name).data_ptr() == ptr, name
         assert batch.sampling_metadata.temperatures.data_ptr() == buffers.sampling.temperatures.data_ptr()
@@ -351,6 +351,36 @@ def test_builds_never_allocate_and_copy_only_the_used_prefix():
     assert (buffers.device_views["block_table"][1:] == -7).all()
     used = buffers.device_views["block_table"].storage_offset() + buffers.max_blocks_per_req
     assert torch.equal(buffers.device_arena[:used], buffers.host_arena[:used])
+
+
+class CopyEvent:
+    """A CUDA event of a host-to-device copy, as the host sees it: pending from ``record()`` until the
+    test completes it; ``synchronize()`` logs a wait (the host would block there)."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def record(self) -> None:
+        self.log.append(("copy from", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("host waits for", self.name))
+
+
+def test_the_host_fills_the_next_step_while_the_last_copy_reads_its_arena():
+    """Two host arenas in turn (issue 40, item 8): the host writes step N+1 while step N's copy may
+    still read its arena, and waits for a copy only when it comes back to that arena (step N+2)."""
+    buffers = make_buffers()
+    log = []
+    buffers.copy_events = [CopyEvent("arena 0", log), CopyEvent("arena 1", log)]
+    builder = BatchBuilder(buffers)
+    for step in range(3):
+        builder.reset()
+        builder.add_request(f"r{step}", [step + 1, step + 2], [0, 1], kv=slots(1, 2))
+        log.append(("built", step))
+        assert builder.build().input_ids.tolist() == [step + 1, step + 2]
+    assert log == [("built", 0), ("copy from", "arena 0"), ("built", 1), ("copy from", "arena 1"),
+                   ("host waits for", "arena 0"), ("built", 2), ("copy from", "arena 0")]
 
 
 def test_batch_views_follow_the_next_build():

@@ -59,8 +59,10 @@ class GraphBackend(Protocol):
     def capture_session(self) -> AbstractContextManager:
         """Context for capturing many keys: one gc.collect(), garbage collector off inside."""
 
-    def warmup_context(self) -> AbstractContextManager:
-        """Where warm-up runs execute (CUDA: the capture stream, so lazy state binds to it)."""
+    def warmup_context(self, capture_path: bool = False) -> AbstractContextManager:
+        """Where warm-up runs execute (CUDA: the capture stream, so lazy state binds to it); with
+        ``capture_path`` (CUDA) the step sees ``torch.cuda.is_current_stream_capturing()`` True, as
+        its capture will, so the kernels of a capture-only path are warmed up too."""
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CapturedGraph:
         """Capture one call of ``fn`` (already warmed up). ``generators``: the generators other than

@@ -3,32 +3,42 @@
 Every key captures into one private memory pool of PyTorch's caching allocator, largest key first,
 so smaller graphs reuse the blocks the largest reserved (``CudaPool``, graphrt/backends/cuda_pool.py,
 has the allocator's rules). Around every capture, what a real GPU needs and no CPU run shows
-(issue 33; docs/RELIABILITY.md has a row each):
+(issues 33 and 40; docs/RELIABILITY.md has a row each):
 
-- one capture session at a time in the process (``CAPTURE_LOCK``): PyTorch captures one graph at a
-  time, and a second session's device-wide ``synchronize()``/``empty_cache()`` would break a capture
-  under way;
-- ``empty_cache()`` when a session begins, as ``torch.cuda.graph`` does before each capture: during a
-  capture the allocator cannot free other pools' cached blocks;
-- cuBLAS's cached workspaces cleared around each capture (``clear_cublas_workspaces``);
+- one capture session at a time in the process (``CAPTURE_LOCK``): up to torch 2.11 the default
+  generator's capture flag is process-wide, so a second capture would break the first one's random
+  numbers, and a session's device-wide ``synchronize()``/``empty_cache()`` would break a capture under
+  way (graphrt/backends/session.py; on such a torch graphrt's replays and eager steps take the lock too);
+- the collector run and the cache emptied when a session begins and again before each capture, as
+  ``torch.cuda.graph`` does: during a capture the allocator cannot free other pools' cached blocks, so
+  the warm-ups' cached activations would stay reserved while the capture allocates them again;
+- warm-ups that see ``torch.cuda.is_current_stream_capturing()`` True (``warmup_capture_path``), so a model
+  with a capture-only path (transformers' explicit masks) warms up the kernels its capture runs;
+- cuBLAS's cached workspaces cleared around each capture (``clear_cublas_workspaces``): each capture's
+  first matmul allocates one in the pool (``cublas_workspace_bytes``: 32 MiB from Hopper on);
 - after a capture that failed, one empty capture on the same stream with the same generators: up to
   torch 2.11 a failed ``capture_end`` raises before ``capture_epilogue``, and the default generator
   would refuse every eager draw ("Offset increment outside graph capture") until a capture succeeds.
-  The failed graph is reset at once (a traceback cycle would keep it alive while gc is off);
+  The failed graph is reset at once (a traceback cycle would keep it alive while gc is off), and up to
+  torch 2.11, whose ``reset()`` gives back only an ended capture's pool reference, graphrt gives back
+  the reference the failed ``capture_begin`` took (``cuda_pool.RELEASE_FAILED_CAPTURE_POOL``);
 - piecewise: each piece replayed once right after its capture, so the splitting op after it reads
   real values (a capture computes nothing) (``CudaPieces``).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from contextlib import AbstractContextManager, contextmanager
+import threading
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
 from graphrt.backends.base import CapturedGraph, SplitPoint
+from graphrt.backends import cuda_pool
 from graphrt.backends.cuda_pool import (
     CAPTURE_ERROR_MODE, CudaPool, clear_cublas_workspaces, empty_capture, private_binding,
 )
@@ -67,6 +77,42 @@ def non_owning_view(value: torch.Tensor) -> torch.Tensor:
             view, value.storage_offset(), value.size(), value.stride())
 
 
+@contextmanager
+def warmup_capture_path() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` answers True on this thread for the block (other
+    threads get the real answer): a warm-up takes the path its capture will take. Call under
+    ``CAPTURE_LOCK`` (one such block at a time in the process)."""
+    real = torch.cuda.is_current_stream_capturing
+    thread = threading.get_ident()
+
+    def capturing() -> bool:
+        return True if threading.get_ident() == thread else real()
+
+    torch.cuda.is_current_stream_capturing = capturing
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = real
+
+
+def empty_cache_before_capture() -> None:
+    """A young-generation collection (the warm-ups' cyclic garbage; a full one ran when the session
+    began), then ``empty_cache()``: the blocks the warm-ups freed go back to the device instead of
+    staying reserved while the capture allocates the same activations in its pool."""
+    gc.collect(1)
+    torch.cuda.empty_cache()
+
+
+def capture_ended(graph: "torch.cuda.CUDAGraph") -> bool:
+    """Whether ``graph``'s capture ended (``capture_ended_``, set even when instantiating it then failed):
+    ``CUDAGraph.pool()`` refuses a graph whose capture did not."""
+    try:
+        graph.pool()
+        return True
+    except RuntimeError:
+        return False
+
+
 def stream_capturing() -> Optional[bool]:
     """Whether the current stream captures, its capture invalidated or not (None: torch cannot say)."""
     try:
@@ -92,13 +138,13 @@ class CudaGraphBackend:
 
     @contextmanager
     def _session(self) -> Iterator[None]:
-        """One capture session in the process at a time; the memory no graph or output holds is
-        freed first (a capture cannot free it), the collector is off while it captures."""
+        """One capture session in the process at a time; the collector runs, then the memory no graph
+        or output holds is freed (a capture cannot free it); the collector is off while it captures."""
         with CAPTURE_LOCK:
             torch.cuda.synchronize(self.device)
-            self.pool.release_unviewed()
-            torch.cuda.empty_cache()
             with gc_frozen():
+                self.pool.release_unviewed()
+                torch.cuda.empty_cache()
                 yield
             torch.cuda.synchronize(self.device)
 
@@ -122,12 +168,20 @@ class CudaGraphBackend:
         finally:
             current.wait_stream(self.stream)
 
-    def warmup_context(self) -> AbstractContextManager:
-        return self._on_capture_stream()
+    @contextmanager
+    def warmup_context(self, capture_path: bool = False) -> Iterator[None]:
+        """The capture stream; with ``capture_path`` the step sees a capture under way (``warmup_capture_path``)."""
+        with self._on_capture_stream(), warmup_capture_path() if capture_path else nullcontext():
+            yield
+
+    def _prepare_capture(self) -> int:
+        """Before a capture: synchronize, free what the warm-ups left cached; the bytes reserved then."""
+        torch.cuda.synchronize(self.device)
+        empty_cache_before_capture()
+        return self._reserved()
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CudaGraph:
-        torch.cuda.synchronize(self.device)
-        reserved_before = self._reserved()
+        reserved_before = self._prepare_capture()
         graph = self.new_graph(generators)
         with self._on_capture_stream():
             self.begin_capture(graph, generators)
@@ -169,7 +223,7 @@ class CudaGraphBackend:
         try:
             graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
         except BaseException:
-            self.abandon(graph, generators)
+            self.abandon(graph, generators, began=False)
             raise
 
     def end_capture(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
@@ -184,30 +238,39 @@ class CudaGraphBackend:
         clear_cublas_workspaces()
         self.pool.captured(graph)
 
-    def abandon(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = ()) -> None:
+    def abandon(self, graph: "torch.cuda.CUDAGraph", generators: Sequence[torch.Generator] = (),
+                began: bool = True) -> None:
         """Leave no trace of a capture that failed, so the next key captures and eager random numbers
-        work: call on the capture stream once ``capture_begin``, the step or ``capture_end`` raised;
-        the first error is kept.
+        work: call on the capture stream once ``capture_begin`` (``began`` False), the step or
+        ``capture_end`` raised; the first error is kept.
 
         1. A stream still capturing (even invalidated) leaves capture mode through ``capture_end``
            (``cudaStreamEndCapture`` ends any capture). If that succeeds, the failure was clean:
            routing ended, the generators' capture ended.
         2. Otherwise the allocator may still route to the pool (torch <= 2.11 raises before ending
            it): end it. "not currently recording" means torch ended it already (2.12+). The pool id
-           is retired: the pinned host allocator's routing by id cannot be ended from Python. Its
-           reference, if the failed graph kept one, is not given back here: torch releases it in the
-           graph's ``reset()`` from pytorch#190348 on, and a second release would drop a pool live
-           graphs use (or abort on ``uc >= 0``); a missing one only keeps the retired pool's memory
-           reserved (docs/RELIABILITY.md). Then one empty capture with the same generators ends
-           their capture, which torch <= 2.11 left on (pytorch#176752).
+           is retired: the pinned host allocator's routing by id cannot be ended from Python. Then
+           one empty capture with the same generators ends their capture, which torch <= 2.11 left
+           on (pytorch#176752).
         3. The failed graph is reset now, not when a collection finds it (the error's traceback
-           holds it in a cycle, and the collector is off while capturing)."""
-        if not self._end_capture_cleanly(graph):
+           holds it in a cycle, and the collector is off while capturing).
+        4. The pool reference its ``capture_begin`` took: torch <= 2.11's ``reset()`` gives back only
+           an ended capture's, so graphrt gives it back there (``_release_pool``) and the retired
+           pool is freed once its graphs and views are gone. torch releases it in ``reset()`` from
+           pytorch#190348 on, where a second release would drop a pool live graphs use (or abort on
+           ``uc >= 0``): on a release after 2.11 that may lack it, a reference kept only keeps the
+           retired pool's memory reserved (docs/RELIABILITY.md). A ``capture_begin`` that raised
+           gives nothing back (whether it took the reference cannot be told)."""
+        clean = self._end_capture_cleanly(graph)
+        if not clean:
             self._end_routing()
             self.pool.abandon()
             self._end_generator_capture(generators)
         clear_cublas_workspaces()
+        unreleased = began and not capture_ended(graph)  # reset() gives back only an ended capture's reference
         graph.reset()
+        if unreleased:
+            self._release_pool()
         try:
             torch.cuda.synchronize(self.device)
         except RuntimeError as error:
@@ -234,6 +297,18 @@ class CudaGraphBackend:
         except RuntimeError as error:  # invalidated (or never begun): keep the first error
             logger.debug("capture_end after a failed capture raised: %s", error)
             return False
+
+    def _release_pool(self) -> None:
+        """Give back the pool reference of a capture that began and did not end, where torch's
+        ``reset()`` does not (``cuda_pool.RELEASE_FAILED_CAPTURE_POOL``)."""
+        release = private_binding("_cuda_releasePool")
+        if not cuda_pool.RELEASE_FAILED_CAPTURE_POOL or release is None:
+            return
+        try:
+            release(torch.cuda.current_device(), self.pool.id)
+        except RuntimeError as error:  # never in the way of the next key
+            logger.warning("could not give back a failed capture's graph pool %s (%s): its memory stays reserved",
+                           self.pool.id, error)
 
     def _end_routing(self) -> None:
         """Stop the allocator routing this device's allocations to the pool, if it still does:
@@ -290,8 +365,7 @@ class CudaPieces:
     @contextmanager
     def recording(self) -> Iterator[None]:
         backend = self.backend
-        torch.cuda.synchronize(backend.device)
-        reserved_before = backend._reserved()
+        reserved_before = backend._prepare_capture()
         with backend.warmup_context():  # the capture stream
             self._begin()
             try:

@@ -24,6 +24,8 @@ memory stays reserved while a caller may still read an output of it, and is free
 from __future__ import annotations
 
 import logging
+import os
+import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
+
+from graphrt.backends.session import torch_release
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ PoolId = Tuple[int, int]
 # events): graphrt captures while serving (``wrap()`` on real calls, ``retune()``), as torch.compile's
 # CUDA-graph trees do, and they capture ``thread_local`` for that reason.
 CAPTURE_ERROR_MODE = "thread_local"
+# Up to torch 2.11 ``CUDAGraph::reset()`` gives back only an ended capture's pool reference, so graphrt gives
+# back the one a failed capture took (``CudaGraphBackend.abandon``); pytorch#190348 releases it in reset()
+# itself in a later release. tests/fake_cuda.py sets it as the torch release it models does.
+RELEASE_FAILED_CAPTURE_POOL = torch_release() <= (2, 11)
 
 
 def private_binding(*names: str) -> Optional[Callable[..., Any]]:
@@ -63,6 +71,21 @@ def clear_cublas_workspaces() -> None:
     clear = private_binding("_cuda_clearCublasWorkspaces")
     if clear is not None:
         clear()
+
+
+def cublas_workspace_bytes(capability: Tuple[int, int]) -> int:
+    """The bytes of the workspace cuBLAS allocates per (handle, stream) on a device of compute
+    ``capability`` (aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize``): the
+    ``:SIZE:COUNT`` KiB pairs of ``CUBLAS_WORKSPACE_CONFIG``, else 32 MiB from Hopper (9.x) on and
+    4096 KiB x 2 + 16 KiB x 8 before. cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by
+    default). A capture's first matmul allocates it in the graph pool, as graphrt clears the cached
+    workspaces before each capture (``clear_cublas_workspaces``)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 4096 * 8 * 1024 if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def empty_capture(pool: Optional[PoolId], generators: Sequence[torch.Generator] = ()) -> "torch.cuda.CUDAGraph":

@@ -106,8 +106,8 @@ class EmulatedBackend:
     def capture_session(self) -> AbstractContextManager:
         return gc_frozen()
 
-    def warmup_context(self) -> AbstractContextManager:
-        return nullcontext()
+    def warmup_context(self, capture_path: bool = False) -> AbstractContextManager:
+        return nullcontext()  # the recording itself takes the capture path (OpRecorder)
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> EmulatedGraph:
         """Record one call of ``fn``; a generator the step is handed is a constant of the recording,

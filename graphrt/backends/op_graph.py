@@ -63,8 +63,54 @@ _HOST_READING_OPS = {
 }
 
 
-def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[str]:
-    """Why ``func`` on these arguments would read device memory on the host, or None."""
+# Compute capabilities on which torch's grouped_mm runs its fast path (bfloat16 only): aten/src/ATen/native/cuda/
+# GroupedBlas.cpp ``_grouped_mm_cuda`` (``_scaled_mm_allowed_device(sm90_only, sm100_only)``), torch 2.9 to 2.11.
+GROUPED_MM_FAST_MAJORS = (9, 10)
+
+
+def _target_capability(tensor: torch.Tensor, cuda_target: bool) -> Optional[Tuple[int, int]]:
+    """The compute capability of the GPU ``tensor``'s kernels run on: its own device's, or with
+    ``cuda_target`` (a CPU tensor standing for a GPU one) the current GPU's; (0, 0) where unknown;
+    None where none will."""
+    if tensor.is_cuda:
+        return torch.cuda.get_device_capability(tensor.device)
+    if not cuda_target:
+        return None
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+def grouped_mm_fallback_reason(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                               cuda_target: bool = False) -> Optional[str]:
+    """Why ``grouped_mm(mat_a, mat_b, offs=...)`` would take torch's fallback on a GPU, which copies the
+    offsets to the host inside the kernel (``offs.cpu()``, ``.item()`` per group, below any dispatch mode),
+    or None. The fast path takes bfloat16 operands and output on compute capability 9.x or 10.x only;
+    transformers' default experts implementation (``grouped_mm``) calls it, so a float32 or float16
+    Hugging Face MoE fails its capture on every GPU. ``cuda_target``: judge CPU tensors as the GPU's
+    (graphrt.check); an unknown GPU is given the fast path for bfloat16."""
+    capability = _target_capability(mat_a, cuda_target)
+    if capability is None:
+        return None
+    dtypes = {mat_a.dtype, mat_b.dtype, out_dtype or mat_a.dtype}
+    if dtypes != {torch.bfloat16}:
+        names = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+        return (f"grouped_mm on {names} takes torch's fallback, which copies the offsets to the host (its fast "
+                "path takes bfloat16 on compute capability 9.x/10.x only): use bfloat16 weights, or "
+                "experts_implementation='batched_mm'")
+    if capability != (0, 0) and capability[0] not in GROUPED_MM_FAST_MAJORS:
+        return (f"grouped_mm on compute capability {capability[0]}.{capability[1]} takes torch's fallback, which "
+                "copies the offsets to the host (its fast path runs on 9.x/10.x only): use "
+                "experts_implementation='batched_mm'")
+    return None
+
+
+def host_sync_reason(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+                     cuda_target: bool = False) -> Optional[str]:
+    """Why ``func`` on these arguments would read device memory on the host, or None. ``cuda_target``:
+    CPU tensors stand for GPU ones (graphrt.check names what a GPU's kernels would sync on)."""
+    if func is _aten._grouped_mm.default:
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+        return None if offs is None else grouped_mm_fallback_reason(args[0], args[1], out_dtype, cuda_target)
     if func is _aten.index.Tensor or func in (_aten.index_put_.default, _aten.index_put.default):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if any(index is not None and index.dtype in (torch.bool, torch.uint8) for index in indices):
@@ -112,6 +158,7 @@ class OpRecorder(TorchDispatchMode):
         # Python (a custom op's) sees them as they were, as a CUDA graph keeps its capture's host values.
         self.context: Optional[contextvars.Context] = None
         self._host_reads_allowed = False
+        self.cuda_target = False  # CPU tensors stand for GPU ones (graphrt.check): name the GPU's syncs too
 
     def __enter__(self) -> "OpRecorder":
         _RecordingThreads.enter(self)
@@ -146,7 +193,7 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.context is None:
             self.context = contextvars.copy_context()
-        why = host_sync_reason(func, args, kwargs)
+        why = host_sync_reason(func, args, kwargs, self.cuda_target)
         if why is not None:
             self._report_host_read(str(func), why, args)
         output = func(*args, **kwargs)

@@ -48,6 +48,7 @@ class ScanRecorder(OpRecorder):
     def __init__(self) -> None:
         super().__init__()
         self.host_reads: List[HostRead] = []
+        self.cuda_target = True  # a step checked on the CPU is judged as on a GPU (grouped_mm's fallback)
 
     def on_host_sync(self, op: str, why: str, args: Sequence[Any]) -> None:
         tensors = tensor_leaves(list(args))

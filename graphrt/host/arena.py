@@ -1,14 +1,16 @@
 """The packed integer arena behind host-built batches.
 
 Every integer field of a step lives in one host tensor (pinned when the batch goes to a CUDA
-device) and one device tensor of the same layout, so a step is staged with a single copy.
+device) and one device tensor of the same layout, so a step is staged with a single copy. There are
+two host arenas, used in turn (as vLLM double-buffers its staging): the host fills the next step's
+while the copy of the last one may still read it, and waits only for the copy of two steps ago.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -27,7 +29,7 @@ REQUEST_REGIONS = ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_pr
 
 @dataclass
 class InputBuffers:
-    """One packed host integer arena (pinned on CUDA) and one device arena of the same layout.
+    """Two packed host integer arenas (pinned on CUDA), used in turn, and one device arena of the same layout.
 
     Regions (each ``int64``): ``query_start_loc`` [max_num_reqs + 1]; per request
     ``req_pool_indices``, ``seq_lens``, ``extend_seq_lens``, ``extend_prefix_lens``,
@@ -35,6 +37,9 @@ class InputBuffers:
     ``block_table`` [max_num_reqs, max_blocks_per_req], so a step's single copy stops after the
     block-table rows it uses. ``sampling`` rows stay in pageable host memory: copying them to the
     device completes on the host, so the builder may rewrite them right after ``sample()``.
+    ``host_arena``/``host_views`` are the arena the host writes now; after ``stage()`` the next write
+    (``wait_host_free``) turns to the other one, waiting for the copy last staged from it (two steps
+    ago) only; ``copy_events`` (CUDA) mark each arena's last copy.
     """
 
     max_num_reqs: int
@@ -47,8 +52,12 @@ class InputBuffers:
     device_views: Dict[str, torch.Tensor]
     sampling: SamplingMetadata
     inputs_embeds: Optional[torch.Tensor] = None
-    _copy_done: Optional[Any] = field(default=None, repr=False)
-    _copy_pending: bool = field(default=False, repr=False)
+    host_arenas: List[torch.Tensor] = field(default_factory=list, repr=False)  # both, the current one among them
+    host_views_each: List[Dict[str, np.ndarray]] = field(default_factory=list, repr=False)
+    copy_events: List[Optional[Any]] = field(default_factory=lambda: [None, None], repr=False)
+    _current: int = field(default=0, repr=False)
+    _staged: bool = field(default=False, repr=False)  # the current arena was copied: the next write turns
+    _pending: List[bool] = field(default_factory=lambda: [False, False], repr=False)
 
     @classmethod
     def allocate(
@@ -70,21 +79,16 @@ class InputBuffers:
         sizes = {"query_start_loc": max_num_reqs + 1, **dict.fromkeys(REQUEST_REGIONS, max_num_reqs),
                  **dict.fromkeys(TOKEN_REGIONS, max_num_tokens), "block_table": max_num_reqs * max_blocks_per_req}
         pin = device.type == "cuda" and torch.cuda.is_available()
-        host_arena = torch.zeros(sum(sizes.values()), dtype=ARENA_DTYPE, pin_memory=pin)
-        device_arena = torch.zeros_like(host_arena, device=device)
-        host_np = host_arena.numpy()
-        host_views, device_views, offset = {}, {}, 0
-        for name, size in sizes.items():
-            host_views[name] = host_np[offset:offset + size]
-            device_views[name] = device_arena[offset:offset + size]
-            offset += size
-        host_views["block_table"] = host_views["block_table"].reshape(max_num_reqs, max_blocks_per_req)
-        device_views["block_table"] = device_views["block_table"].view(max_num_reqs, max_blocks_per_req)
+        host_arenas = [torch.zeros(sum(sizes.values()), dtype=ARENA_DTYPE, pin_memory=pin) for _ in range(2)]
+        device_arena = torch.zeros_like(host_arenas[0], device=device)
+        host_views_each = [_views(arena.numpy(), sizes, max_num_reqs, max_blocks_per_req) for arena in host_arenas]
+        device_views = _views(device_arena, sizes, max_num_reqs, max_blocks_per_req)
         embeds = None if embed_dim is None else torch.zeros(max_num_tokens, embed_dim, dtype=dtype, device=device)
-        logger.debug("InputBuffers: %d-entry arena on %s (pinned=%s)", offset, device, pin)
-        return cls(max_num_reqs, max_num_tokens, max_blocks_per_req, block_size, host_arena, device_arena,
-                   host_views, device_views, SamplingMetadata.from_defaults(max_num_reqs), embeds,
-                   torch.cuda.Event() if device.type == "cuda" else None)
+        logger.debug("InputBuffers: %d-entry arenas on %s (pinned=%s)", device_arena.numel(), device, pin)
+        events = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(2)]
+        return cls(max_num_reqs, max_num_tokens, max_blocks_per_req, block_size, host_arenas[0], device_arena,
+                   host_views_each[0], device_views, SamplingMetadata.from_defaults(max_num_reqs), embeds,
+                   host_arenas, host_views_each, events)
 
     @property
     def device(self) -> torch.device:
@@ -92,9 +96,10 @@ class InputBuffers:
         return self.device_arena.device
 
     def reset(self) -> None:
-        """Zero both arenas and embeddings and restore neutral sampling rows."""
-        self.wait_host_free()
-        self.host_arena.zero_()
+        """Zero every arena and embeddings and restore neutral sampling rows."""
+        for index in range(2):
+            self._wait_copied(index)
+            self.host_arenas[index].zero_()
         self.device_arena.zero_()
         if self.inputs_embeds is not None:
             self.inputs_embeds.zero_()
@@ -102,15 +107,34 @@ class InputBuffers:
             getattr(self.sampling, name).fill_(default)
 
     def stage(self, num_reqs: int) -> None:
-        """Copy the used prefix of the host arena to the device: one non-blocking ``copy_``."""
+        """Copy the used prefix of the current host arena to the device: one non-blocking ``copy_``."""
         end = self.device_views["block_table"].storage_offset() + num_reqs * self.max_blocks_per_req
         self.device_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
-        if self._copy_done is not None:
-            self._copy_done.record()
-            self._copy_pending = True
+        event = self.copy_events[self._current]
+        if event is not None:
+            event.record()
+            self._pending[self._current] = True
+        self._staged = True
 
     def wait_host_free(self) -> None:
-        """Before rewriting the host arena, wait for the last host-to-device copy to finish reading it."""
-        if self._copy_pending:
-            self._copy_done.synchronize()
-            self._copy_pending = False
+        """Before writing the host arena: after a ``stage()``, turn to the other arena, and wait for the
+        copy last staged from it (two steps ago) to finish reading it."""
+        if self._staged:
+            self._current, self._staged = 1 - self._current, False
+            self.host_arena, self.host_views = self.host_arenas[self._current], self.host_views_each[self._current]
+        self._wait_copied(self._current)
+
+    def _wait_copied(self, index: int) -> None:
+        if self._pending[index]:
+            self.copy_events[index].synchronize()
+            self._pending[index] = False
+
+
+def _views(arena: Any, sizes: Dict[str, int], max_num_reqs: int, max_blocks_per_req: int) -> Dict[str, Any]:
+    """Each region of ``arena`` (a tensor or a numpy array) by name, the block table as a matrix."""
+    views, offset = {}, 0
+    for name, size in sizes.items():
+        views[name] = arena[offset:offset + size]
+        offset += size
+    views["block_table"] = views["block_table"].reshape(max_num_reqs, max_blocks_per_req)
+    return views

@@ -1,0 +1,222 @@
+"""What a reading of torch 2.11's CUDA path predicted for the first GPU run (issue 40), fixed before it.
+
+Each scenario runs real graphrt objects over tests/fake_cuda.py, which now models what the reading
+found: the default generator's one capture flag for the process (another thread's replay or eager
+draw raises while any capture is under way), captures legal on several streams at once, the cuBLAS
+workspace and the generator's seed and offset taking memory, a failed capture's pool reference that
+torch 2.11 never gives back. Marked ``cuda``, the same scenarios run on a GPU (the ``device``
+fixture of tests/test_cuda_pool.py); scripts/gpu_probe.py checks each modelled rule there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from typing import Any, Callable, List
+
+import pytest
+import torch
+from fake_cuda import TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES, FakeCuda, RecordingMode, install
+from test_cuda_pool import checks, device, older_objects_frozen, statuses  # noqa: F401 - fixtures
+
+import graphrt
+from graphrt.backends.cuda_pool import CAPTURE_ERROR_MODE
+from graphrt.backends.op_graph import grouped_mm_fallback_reason
+from graphrt.entry import GraphStatus
+
+READY = GraphStatus.READY
+
+
+def in_thread(run: Callable[[], Any], fake) -> threading.Thread:
+    """``run`` started in a thread of its own (with the fake's recording mode, which is per thread)."""
+
+    def target() -> None:
+        with contextlib.nullcontext() if fake is None else RecordingMode(fake):
+            run()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+class CapturePause(torch.nn.Module):
+    """``checks.Misbehaving`` whose captures (not its warm-ups) tell ``capturing`` and wait up to
+    ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits for the capture."""
+
+    def __init__(self, inner: torch.nn.Module, capturing: threading.Event, go: threading.Event,
+                 timeout: float = 0.3) -> None:
+        super().__init__()
+        self.inner, self.capturing, self.go, self.timeout = inner, capturing, go, timeout
+
+    def forward(self, input_ids, positions, forward_batch):
+        if stream_really_captures():
+            self.capturing.set()
+            self.go.wait(timeout=self.timeout)
+        return self.inner(input_ids, positions, forward_batch)
+
+
+def stream_really_captures() -> bool:
+    """Whether the current stream captures (the warm-ups' ``is_current_stream_capturing()`` says True too)."""
+    fake = FakeCuda.installed
+    if fake is not None:
+        return fake.current_stream().status != "none"
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+# ---- item 1: no step of another thread runs into a capture; no key disabled for another's error ------
+
+def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device, checks):
+    capturing, go = threading.Event(), threading.Event()
+    serving_model = checks.Misbehaving(device=device.name)
+    serving = checks.runner_for(serving_model, device.name, [2])
+    serving.capture()
+    capturing_runner = checks.runner_for(CapturePause(checks.Misbehaving(device=device.name), capturing, go),
+                                         device.name, [2])
+    thread = in_thread(capturing_runner.capture, device.fake)
+    capturing.wait(timeout=10)
+    got = [serving(checks.decode_batch(2, device.name, seed=1))]  # torch <= 2.11: raised inside the capture
+    go.set()
+    thread.join(timeout=30)
+    assert torch.allclose(got[0], checks.eager(serving_model, checks.decode_batch(2, device.name, seed=1)), **checks.TOLERANCE)
+    assert statuses(serving) == {"decode/bs=2": READY} and serving.stats()["eager_reasons"] == {}
+    assert statuses(capturing_runner) == {"decode/bs=2": READY}
+    device.settle()
+
+
+def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks):
+    """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread):
+    torch <= 2.11 fails the replay; the step runs eagerly and the healthy key stays in use."""
+    began, go = threading.Event(), threading.Event()
+    model = checks.Misbehaving(device=device.name)
+    runner = checks.runner_for(model, device.name, [2])
+    runner.capture()
+
+    def users_capture() -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
+            began.set()
+            go.wait(timeout=10)
+            graph.capture_end()
+
+    thread = in_thread(users_capture, device.fake)
+    began.wait(timeout=10)
+    batch = checks.decode_batch(2, device.name, seed=1)
+    try:
+        during = runner(batch).clone()
+    finally:
+        go.set()
+        thread.join(timeout=30)
+    raised = graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    assert runner.stats()["eager_reasons"] == ({"replay_failed": 1} if raised else {})
+    assert statuses(runner) == {"decode/bs=2": READY}
+    assert checks.replay_equal_eager(runner, model, device.name, [2], 1) == 1
+    assert torch.allclose(during, checks.eager(model, batch), **checks.TOLERANCE)
+    device.settle()
+
+
+# ---- item 6: a failed capture's pool is freed once nothing holds it ------------------------------------
+
+@pytest.mark.parametrize("behaviour", [TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES],
+                         ids=["fake-torch-2.7", "fake-torch-2.11", "fake-torch-pr190348"])
+def test_a_failed_captures_pool_is_freed_once_nothing_holds_it(behaviour, checks, monkeypatch):
+    with install(monkeypatch, behaviour) as fake:
+        runner = checks.runner_for(checks.Misbehaving("item", at=4, device="cpu"), "cpu", [2, 4])
+        runner.capture()
+        assert statuses(runner) == {"decode/bs=4": GraphStatus.FAILED, "decode/bs=2": READY}
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert fake.allocator.graph_pools == {}, "a pool stays reserved for the process's life"
+        assert fake.allocator.asserts == [] and fake.aborts == []
+
+
+# ---- items 5 and 8: the cache emptied before each capture, nothing of it per call once captured --------
+
+class Logged(torch.nn.Module):
+    """``inner``, each call logged as ("step", whether the stream really captures, what
+    ``torch.cuda.is_current_stream_capturing()`` says)."""
+
+    def __init__(self, inner: torch.nn.Module, log: List[Any]) -> None:
+        super().__init__()
+        self.inner, self.log = inner, log
+
+    def forward(self, input_ids, positions, forward_batch):
+        self.log.append(("step", stream_really_captures(), torch.cuda.is_current_stream_capturing()))
+        return self.inner(input_ids, positions, forward_batch)
+
+
+def logging_calls(monkeypatch, log: List[Any], module: Any, name: str) -> None:
+    """``module.name`` logs ``name`` and its positional arguments, then runs."""
+    real = getattr(module, name)
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        log.append((name, *args))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, logged)
+
+
+def test_the_cache_is_emptied_after_each_keys_warm_ups_and_never_per_serving_call(monkeypatch, checks):
+    log: List[Any] = []
+    with install(monkeypatch, TORCH_2_11):
+        runner = checks.runner_for(Logged(checks.Misbehaving(device="cpu"), log), "cpu", [1, 2])
+        logging_calls(monkeypatch, log, gc, "collect")
+        logging_calls(monkeypatch, log, torch.cuda, "empty_cache")
+        logging_calls(monkeypatch, log, torch.cuda, "synchronize")
+        runner.capture()
+        calls = [entry for entry in log if entry[0] != "synchronize"]
+        assert calls[:2] == [("collect",), ("empty_cache",)], "a session collects first, then empties the cache"
+        captures = [index for index, entry in enumerate(calls) if entry[:2] == ("step", True)]
+        assert len(captures) == 2
+        for index in captures:
+            warmed = max(i for i in range(index) if calls[i][:2] == ("step", False))
+            assert ("collect", 1) in calls[warmed:index] and ("empty_cache",) in calls[warmed:index], calls
+        log.clear()
+        for size in (1, 2, 1, 2):
+            runner(checks.decode_batch(size, "cpu", seed=size))
+        assert log == [] and runner.stats()["graph_runs"] == 4
+
+
+# ---- item 7: warm-ups take the capture's path -----------------------------------------------------------
+
+def test_warm_ups_see_a_capture_under_way_and_eager_steps_do_not(monkeypatch, checks):
+    log: List[Any] = []
+    with install(monkeypatch, TORCH_2_11):
+        runner = checks.runner_for(Logged(checks.Misbehaving(device="cpu"), log), "cpu", [2])
+        runner.capture()
+        warm_ups, capture, verification = log[:-2], log[-2], log[-1]
+        assert warm_ups and all(entry == ("step", False, True) for entry in warm_ups), log
+        assert capture == ("step", True, True) and verification == ("step", False, False), log
+        log.clear()
+        runner(checks.decode_batch(3, "cpu"))  # larger than every key: eager
+        assert log == [("step", False, False)]
+
+
+# ---- item 2: grouped_mm's host-syncing fallback is named ------------------------------------------------
+
+def grouped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Two experts over x's rows (the first 3 to one, the rest to the other), as MoE layers call it."""
+    offsets = torch.tensor([3, x.shape[0]], dtype=torch.int32)
+    return torch.nn.functional.grouped_mm(x.to(weight.dtype), weight, offs=offsets)
+
+
+def test_check_names_a_grouped_mm_that_takes_the_host_syncing_fallback():
+    x = torch.randn(8, 16)
+    fp32 = graphrt.check(lambda rows: grouped(rows, torch.randn(2, 16, 8)), x)
+    syncs = [finding for finding in fp32.findings if finding.kind == "host_sync"]
+    assert syncs and "grouped_mm on float32 takes torch's fallback" in syncs[0].message
+    bf16 = graphrt.check(lambda rows: grouped(rows, torch.randn(2, 16, 8).bfloat16()), x)
+    assert not [finding for finding in bf16.findings if finding.kind == "host_sync"]
+
+
+@pytest.mark.parametrize("capability, syncs", [((8, 0), True), ((8, 9), True), ((9, 0), False), ((10, 0), False),
+                                               ((12, 0), True)])
+def test_bfloat16_grouped_mm_syncs_off_hopper_and_datacenter_blackwell(capability, syncs, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    a, b = torch.randn(8, 16).bfloat16(), torch.randn(2, 16, 8).bfloat16()
+    assert (grouped_mm_fallback_reason(a, b, cuda_target=True) is not None) == syncs
+    assert grouped_mm_fallback_reason(a.float(), b.float(), cuda_target=True) is not None
+    assert grouped_mm_fallback_reason(a, b) is None  # CPU tensors run torch's CPU kernel: no GPU to sync
