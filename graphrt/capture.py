@@ -191,6 +191,7 @@ class KeyCapture:
             record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
         journal = StateJournal(self.scratch(), WHOLE_SAVE_BUDGET)
         error: Optional[Exception] = None
+        entry.refused, entry.runs_compiled, entry.compiled = None, False, None  # this capture's findings
         try:
             graph = capture_graph(self.backend, step, max(warmup_iters, 1) if self.compiled else warmup_iters, record,
                                   journal, watch, capture_path=not self.compiled,

@@ -8,7 +8,7 @@ itself is the entry's (``graphrt.entry``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -116,10 +116,10 @@ class GraphRegistry:
         self.grids.clear()
         self._by_rows.clear()
 
-    def uncapture(self) -> None:
-        """Every key back to pending capture, its graph, cut outputs and guard dropped (their memory
-        returns when the graphs are freed); keys and tables stay."""
-        for entry in self.entries.values():
+    def uncapture(self, keys: Optional[Iterable[GraphKey]] = None) -> None:
+        """Every key (or ``keys``) back to pending capture, its graph, cut outputs and guard dropped
+        (their memory returns when the graphs are freed); keys and tables stay."""
+        for entry in self.entries.values() if keys is None else [self.entries[key] for key in keys]:
             entry.status, entry.reason, entry.graph, entry.guard = GraphStatus.PENDING, None, None, None
             entry.cuts.clear()
 

@@ -288,13 +288,13 @@ class GraphRunner:
                 self.lockstep.bind_keys(list(self.registry.entries))
         return self.capture()
 
-    def recapture(self) -> CaptureReport:
-        """Capture every key again, under the state of now: after weights were swapped by
-        rebinding (``param.data = other``, ``m.weight = nn.Parameter(...)``), or to serve steps
-        under another autocast or ``training`` state than the first capture's. The old graphs are
-        dropped first (their memory is reused); static inputs stay."""
+    def recapture(self, keys: Optional[Sequence[GraphKey]] = None) -> CaptureReport:
+        """Capture every key (or only ``keys``, e.g. one a replay fault disabled) again, under the state
+        of now: after weights were swapped by rebinding (``param.data = other``, ``m.weight =
+        nn.Parameter(...)``), or to serve steps under another autocast or ``training`` state than the
+        first capture's. The old graphs are dropped first (their memory is reused); static inputs stay."""
         with self._lock:
-            self.registry.uncapture()
+            self.registry.uncapture(keys)
         return self.capture()
 
     def save_histogram(self, path: Union[str, os.PathLike]) -> None:

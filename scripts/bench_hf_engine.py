@@ -1,6 +1,8 @@
-"""transformers' continuous batching against graphrt's engine path, on the same prompts.
+"""transformers' continuous batching against graphrt's engine path, on the same prompts; the engine's KV
+bytes per token; its decode step against ``max_context``.
 
     PYTHONPATH=. python scripts/bench_hf_engine.py [--family llama] [--hidden 256] [--prompts 8] [--new-tokens 32]
+        [--contexts 1024,4096,16384] [--real-tokens 256]
 
 The same model and prompts (greedy, stopping at the model's EOS) go through ``model.generate_batch`` (transformers'
 continuous batching, paged attention, with its own CUDA graphs where it has them) and through
@@ -12,6 +14,13 @@ runner: scheduling, batch building, sampling; and inside it). On CPU graphrt's g
 backend, which replays the recorded ops one by one: it checks the CUDA-graph contract, it is not a
 CUDA-graph speedup, and its numbers say nothing about a GPU. ``--threads`` (default 1) sets torch's
 CPU threads: on a shared machine more threads than free cores make every op spin-wait.
+
+Then: the bytes a cached token takes per layer in the engine's KV pools against the model's minimum
+(multi-head latent attention's latent; see graphrt.hf.kv_layout), and the time of one graphed decode
+step of ``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each
+``max_context`` of ``--contexts``: the time in the runner per decode step of a call generating 1 +
+``DECODE_STEPS`` tokens (``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS``
+calls after one that captures, on one engine per context.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from hf_helpers import tiny_model  # noqa: E402
 import graphrt.hf  # noqa: E402
 
 Run = Callable[[], List[List[int]]]
+DECODE_STEPS = 8
+REPEATS = 3
 
 
 def timed(run: Run) -> Tuple[List[List[int]], float]:
@@ -70,6 +81,27 @@ def generate_batch_run(model: torch.nn.Module, prompts: List[List[int]], new_tok
     return run
 
 
+def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, max_requests: int) -> float:
+    """One graphed decode step of ``max_requests`` requests near ``real_tokens`` tokens, in ms (see the docstring)."""
+    prompts = ragged_prompts([real_tokens - DECODE_STEPS] * max_requests, seed=5)
+    engine = graphrt.hf.engine_model(model, max_requests=max_requests, max_context=max_context, max_step_tokens=64,
+                                     kv_slots=max_requests * real_tokens + 1)
+    times = []
+    for _ in range(1 + REPEATS):  # the first captures
+        engine.generate(prompts, max_new_tokens=1 + DECODE_STEPS, eos_token_id=None)
+        serve = engine.stats()["serve"]
+        times.append(serve["decode_runner_seconds"] / serve["decode_steps"])
+    return 1e3 * min(times[1:])
+
+
+def kv_line(engine: graphrt.hf.HFEngine) -> str:
+    """The KV pools' bytes per cached token and layer against the model's minimum."""
+    kv = engine.kv_bytes()
+    return (f"KV bytes per cached token per layer: {kv['per_token_per_layer']:.0f} (the model's minimum "
+            f"{kv['minimum_per_token_per_layer']:.0f}, ratio {kv['per_token_per_layer'] / kv['minimum_per_token_per_layer']:.2f}); "
+            f"KV buffers {kv['pool_bytes'] / 2**20:.2f} MiB")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Time every path on one model and print a Markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,6 +112,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-requests", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--contexts", default="1024,4096,16384", help="max_context values of the decode-step table")
+    parser.add_argument("--real-tokens", type=int, default=256, help="tokens each request holds in that table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -122,6 +156,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             row += ["", "", ""]
         print("| " + " | ".join(row) + " |")
+
+    print()
+    print(kv_line(engine))
+    print()
+    print(f"Decode step against max_context ({args.max_requests} requests of about {args.real_tokens} tokens, graphs):")
+    print("| max_context | ms per decode step | against the smallest |")
+    print("| --- | --- | --- |")
+    times = [(int(context), decode_step_ms(model, int(context), args.real_tokens, args.max_requests))
+             for context in args.contexts.split(",")]
+    for context, ms in times:
+        print(f"| {context} | {ms:.2f} | {ms / times[0][1]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,22 @@ FAMILIES: Dict[str, Family] = {
         decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None), inputs="audio"),
 }
 
+# Families only the engine path's tests serve (graphrt.hf.engine_model; graph_generate's family table does not list them).
+ENGINE_ONLY: Dict[str, Family] = {
+    # Windows that live only in the mask: the attention function is not handed a sliding_window keyword.
+    "qwen2-moe-sliding": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), True),
+    "phimoe-window": Family("PhimoeConfig", "PhimoeForCausalLM", dict(DECODER, **MOE, sliding_window=WINDOW), True),
+    "doge": Family("DogeConfig", "DogeForCausalLM", dict(DECODER, keep_window_size=WINDOW)),  # a bias in its mask
+    # Its last two layers attend over the keys and values of the last earlier layer of their kind (KV sharing).
+    "gemma3n": Family("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
+        DECODER, head_dim=8, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=WINDOW, num_kv_shared_layers=2, altup_num_inputs=2, laurel_rank=4,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, intermediate_size=[64] * 4,
+        activation_sparsity_pattern=[0.0] * 4), True),
+}
+
 
 def replays_here(family: str) -> bool:
     """Whether the installed transformers is one on which ``family`` replays (see ``Family.replays_from``)."""
@@ -135,7 +151,7 @@ def tiny_model(family: str, device: str = "cpu", **fields: Any) -> torch.nn.Modu
     """The family's tiny model with random weights (seed 0), in eval mode; ``fields`` override the config's."""
     import transformers
 
-    spec = FAMILIES[family]
+    spec = FAMILIES.get(family) or ENGINE_ONLY[family]
     torch.manual_seed(0)
     config = getattr(transformers, spec.config)(**{**spec.fields, **fields})
     return getattr(transformers, spec.model)(config).to(device).eval()

@@ -14,25 +14,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_engine_helpers import generate_alone, one_thread, ragged_prompts  # noqa: E402,F401
+from hf_engine_helpers import engine, generate_alone, llama, one_thread, ragged_prompts  # noqa: E402,F401
 from hf_helpers import tiny_model  # noqa: E402
 
 import graphrt.hf  # noqa: E402
 from graphrt.host.sampling import SamplingMetadata  # noqa: E402
 
 NEW_TOKENS = 5
-
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(llama):
-    return graphrt.hf.engine_model(llama, max_requests=3, max_context=32, max_step_tokens=8, warmup_iters=1,
-                                   piecewise_sizes=[4, 8])
 
 
 def test_multi_step_launches_replay_and_keep_generate_tokens(llama, engine):

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextvars
 import keyword
+import linecache
 import operator
 import threading
-from contextlib import ExitStack, contextmanager
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-from unittest import mock
 
 import torch
 import torch.fx
@@ -136,10 +137,6 @@ def _host_sync_message(op: str, why: str, source: Optional[SourceLine], torch_so
     )
 
 
-def _capturing() -> bool:
-    return True
-
-
 def _makes_nested(args: Sequence[Any], output: Any) -> bool:
     """A nested tensor made from dense ones: its sizes were read from tensor values."""
     return (isinstance(output, torch.Tensor) and output.is_nested
@@ -150,8 +147,8 @@ class OpRecorder(TorchDispatchMode):
     """Executes and records every aten op of the block; raises HostSyncError on host reads.
 
     Only dispatcher-level hooks are used (this mode, and ``tolist``/``numpy`` patched for the
-    recording thread), so the model sees what it sees under a CUDA capture: no torch-function
-    mode, ``torch.cuda.is_current_stream_capturing()`` True.
+    recording threads: ``_RecordingThreads``), so the model sees what it sees under a CUDA capture:
+    no torch-function mode, ``torch.cuda.is_current_stream_capturing()`` True.
     """
 
     def __init__(self) -> None:
@@ -160,25 +157,23 @@ class OpRecorder(TorchDispatchMode):
         # The context variables the step ran with (taken at its first op): a replay that re-runs
         # Python (a custom op's) sees them as they were, as a CUDA graph keeps its capture's host values.
         self.context: Optional[contextvars.Context] = None
-        self._thread = threading.get_ident()
         self._host_reads_allowed = False
         self.cuda_target = False  # CPU tensors stand for GPU ones (graphrt.check): name the GPU's syncs too
 
     def __enter__(self) -> "OpRecorder":
-        with ExitStack() as stack:
-            for name in _HOST_READ_METHODS:
-                stack.enter_context(mock.patch.object(torch.Tensor, name, self._guarded_method(name)))
-            # Code with a capture-safe path (transformers' is_tracing, for one) takes it, as on CUDA.
-            stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", _capturing))
+        _RecordingThreads.enter(self)
+        try:
             super().__enter__()
-            self._exit_stack = stack.pop_all()
+        except BaseException:
+            _RecordingThreads.exit(self)
+            raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
             super().__exit__(*exc_info)
         finally:
-            self._exit_stack.__exit__(*exc_info)
+            _RecordingThreads.exit(self)
 
     @contextmanager
     def host_reads_allowed(self) -> Iterator[None]:
@@ -193,17 +188,6 @@ class OpRecorder(TorchDispatchMode):
     def _report_host_read(self, op: str, why: str, args: Sequence[Any]) -> None:
         if not self._host_reads_allowed:
             self.on_host_sync(op, why, args)
-
-    def _guarded_method(self, name: str) -> Callable[..., Any]:
-        """``Tensor.<name>`` that reports a host read when called on the recording thread."""
-        method = getattr(torch.Tensor, name)
-
-        def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == self._thread:
-                self._report_host_read(f"Tensor.{name}", "it copies tensor values to the host", (tensor,))
-            return method(tensor, *args, **kwargs)
-
-        return guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
@@ -222,6 +206,75 @@ class OpRecorder(TorchDispatchMode):
         """A host read of device memory: raise HostSyncError, as a CUDA capture fails on it.
         ``graphrt.check`` overrides this to note every host read of a step and go on."""
         raise HostSyncError(_host_sync_message(op, why, model_source_line(), torch_source_line()))
+
+
+class _RecordingThreads:
+    """The process-wide patches every recorder needs (``Tensor.tolist``/``numpy``: host reads that
+    reach no aten op on CPU; ``torch.cuda.is_current_stream_capturing``: True, as under a CUDA
+    capture), installed while any thread records and acting for the recording threads only (the
+    innermost recorder of each); removed, under a lock, when the last recording ends, whatever
+    order recordings in several threads end in."""
+
+    _lock = threading.Lock()
+    _active = threading.local()  # .recorders: this thread's recorders, innermost last
+    _count = 0  # recordings in progress, all threads
+    _originals: Dict[Tuple[Any, str], Any] = {}
+
+    @classmethod
+    def enter(cls, recorder: "OpRecorder") -> None:
+        with cls._lock:
+            if cls._count == 0:
+                cls._install()
+            cls._count += 1
+        stack = getattr(cls._active, "recorders", None)
+        if stack is None:
+            stack = cls._active.recorders = []
+        stack.append(recorder)
+
+    @classmethod
+    def exit(cls, recorder: "OpRecorder") -> None:
+        stack = cls._active.recorders
+        stack.remove(recorder)
+        with cls._lock:
+            cls._count -= 1
+            if cls._count == 0:
+                for (owner, name), original in cls._originals.items():
+                    setattr(owner, name, original)
+                cls._originals.clear()
+
+    @classmethod
+    def current(cls) -> Optional["OpRecorder"]:
+        """The innermost recorder of the calling thread, or None."""
+        stack = getattr(cls._active, "recorders", None)
+        return stack[-1] if stack else None
+
+    @classmethod
+    def _install(cls) -> None:
+        for name in _HOST_READ_METHODS:
+            cls._patch(torch.Tensor, name, cls._host_read(name, getattr(torch.Tensor, name)))
+        original_capturing = torch.cuda.is_current_stream_capturing
+
+        def capturing() -> bool:
+            return True if cls.current() is not None else original_capturing()
+
+        cls._patch(torch.cuda, "is_current_stream_capturing", capturing)
+
+    @classmethod
+    def _patch(cls, owner: Any, name: str, replacement: Any) -> None:
+        cls._originals[owner, name] = getattr(owner, name)
+        setattr(owner, name, replacement)
+
+    @classmethod
+    def _host_read(cls, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``Tensor.<name>`` that reports a host read to the calling thread's recorder, if it records."""
+
+        def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            recorder = cls.current()
+            if recorder is not None:
+                recorder._report_host_read(f"Tensor.{name}", "it copies tensor values to the host", (tensor,))
+            return method(tensor, *args, **kwargs)
+
+        return guarded
 
 
 @dataclass
@@ -285,7 +338,24 @@ def build_op_graph(ops: List[RecordedOp], outputs: Any) -> OpGraph:
         copy_targets.append(leaf)
         returned.append(nodes[id(leaf)])
     graph.output(returned)
-    return OpGraph(torch.fx.GraphModule(root, graph, class_name="RecordedStep"), copy_targets)
+    module = torch.fx.GraphModule(root, graph, class_name="RecordedStep")
+    _forget_source_with(module)
+    return OpGraph(module, copy_targets)
+
+
+def _forget_source_with(module: torch.fx.GraphModule) -> None:
+    """When ``module`` is freed, drop the generated source torch.fx keeps for it in a process-wide cache
+    (and ``linecache``) forever: without this, every graph recorded and dropped (an engine built and
+    dropped, a recapture) would keep its source."""
+    loader = getattr(torch.fx.graph_module, "_loader", None)
+    filename = getattr(getattr(type(module).forward, "__code__", None), "co_filename", None)
+    if loader is not None and isinstance(getattr(loader, "eval_cache", None), dict) and filename:
+        weakref.finalize(module, _forget_source, loader.eval_cache, filename)
+
+
+def _forget_source(cache: Dict[str, str], filename: str) -> None:
+    cache.pop(filename, None)
+    linecache.cache.pop(filename, None)
 
 
 _KEYWORD_OVERLOADS: Dict[Any, Callable[..., Any]] = {}

@@ -4,106 +4,60 @@ The engine is a GraphRunner model callable ``engine(input_ids, positions, forwar
 model's own modules and weights: it calls the model on the packed step (``[1, num_tokens]`` with one
 ``position_ids`` per token, no cache object) with its attention implementation switched to graphrt's
 paged attention (``graphrt.hf.paged_attention``) for the call, so the keys and values live in graphrt's
-KV pool and every request's history is read through the request table. Models must declare
-transformers' modeling-backend contract (``_supports_attention_backend``) and have attention in every
-layer; others are refused by name. ``generate`` serves prompts with continuous batching
-(``graphrt.hf.serve``) through a GraphRunner: decode steps replay full graphs, prefill and mixed steps
-piecewise graphs split at the attention, and ``steps_per_launch`` > 1 multi-step keys.
+KV pools and every request's history is read through the request table (or its window's ring). A probe
+step (``graphrt.hf.engine_probe``) reads each layer's shapes, window, KV sharing and mask first, and
+refuses by name a model whose mask says more than causal attention in its window. ``generate`` serves
+prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
+(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
+call at a time (a lock per engine), choosing tokens per request as ``generate()`` does
+(``graphrt.hf.request_sampling``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from graphrt.batch import ForwardBatch, ForwardMode
-from graphrt.host.sampling import SamplingMetadata
-from graphrt.hf.paged_attention import (ATTENTION_NAME, PAGED_ATTENTION_OP, PagedAttnBackend,
-                                        register_paged_attention)
-from graphrt.hf.serve import ServeConfig, held_rows, serve
-from graphrt.reference import (CachePools, KVPool, ReqToTokenPool, graph_runner_kwargs, make_decode_batch,
-                               make_extend_batch)
+from graphrt.batch import ForwardBatch
 from graphrt.config import RunnerConfig
-from graphrt.runner import GraphRunner
-from graphrt.sizes import default_capture_sizes, default_piecewise_sizes
+from graphrt.hf.engine_probe import plan_layout, probe_layers, refusal
+from graphrt.hf.engine_runners import EngineRunners
+from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
+from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention
+from graphrt.hf.request_sampling import GenerationRules, RequestTokens
+from graphrt.hf.serve import Request, ServeConfig, ServeCounts, held_rows, serve
+from graphrt.host.sampling import SamplingMetadata
+from graphrt.reference import CachePools, ReqToTokenPool, make_decode_batch, make_extend_batch
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-PROBE_NAME = "graphrt_probe"  # the attention implementation that reads each layer's KV shapes
+_SWITCH_LOCK = threading.RLock()  # one model call at a time under a switched attention implementation
 
 
-class _Implementations:
-    """While entered: the model's attention implementation is ``attention`` (graphrt's paged attention);
-    restored on exit, so the model's own ``generate()`` is unchanged. Its other modules (MoE experts
-    included) run as the model chose."""
-
-    def __init__(self, config: Any, attention: str) -> None:
-        self.config = config
-        self.attention = attention
-        self._saved: Any = None
-
-    def __enter__(self) -> None:
-        self._saved = self.config._attn_implementation
-        self.config._attn_implementation = self.attention
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.config._attn_implementation = self._saved
-
-
-class _LayerShapes:
-    """The attention function of the probe step: each layer's KV heads, key and value head dims, dtype."""
-
-    def __init__(self) -> None:
-        self.layers: Dict[int, Tuple[int, int, int, torch.dtype]] = {}
-
-    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: Any, **kwargs: Any) -> Tuple[torch.Tensor, None]:
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise ValueError(f"model: its attention module {type(module).__name__} has no int layer_idx; graphrt's "
-                             "paged attention keeps each layer's keys and values by that index")
-        self.layers[layer] = (key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
-        return query.new_zeros((*query.shape[:1], query.shape[2], query.shape[1], value.shape[-1])), None
-
-
-def refusal(model: Any) -> Optional[str]:
-    """Why ``model`` cannot run on the engine path (None when it can): it does not declare transformers'
-    modeling-backend contract, or some of its layers are not attention layers."""
-    name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):
-        return (f"{name} does not declare transformers' modeling-backend contract (_supports_attention_backend); "
-                "its attention cannot be replaced by graphrt's paged attention")
-    text = model.config.get_text_config()
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
-    if other:
-        return (f"{name} has layers of type {', '.join(other)}: only {' and '.join(ATTENTION_LAYER_TYPES)} layers "
-                "can keep their state in graphrt's paged KV pool")
-    if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA: run as per-head keys and values (docs/MANUAL.md)
-        logger.info("%s: multi-head latent attention runs as per-head keys and values in the KV pool", name)
-    return None
-
-
-def _probe_layers(model: Any) -> Dict[int, Tuple[int, int, int, torch.dtype]]:
-    """Each layer's KV shape, read by running the model on one token with a recording attention."""
-    from transformers import AttentionInterface
-
-    shapes = _LayerShapes()
-    AttentionInterface.register(PROBE_NAME, shapes)
-    device = next(model.parameters()).device
-    ids = torch.zeros((1, 1), dtype=torch.int64, device=device)
-    with _Implementations(model.config, PROBE_NAME), torch.no_grad():
-        model(input_ids=ids, position_ids=ids, use_cache=False)
-    return shapes.layers
+@contextmanager
+def attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """While entered: ``config``'s attention implementation is ``name``, restored on every exit. Held
+    under a process-wide lock, so two engines (or an engine and its probe) on one model in two threads
+    never leave the model on graphrt's attention."""
+    with _SWITCH_LOCK:
+        saved = config._attn_implementation
+        config._attn_implementation = name
+        try:
+            yield
+        finally:
+            config._attn_implementation = saved
 
 
 class HFEngine:
-    """A transformers causal LM as a GraphRunner model callable over graphrt's paged KV pool, and
-    ``generate`` serving prompts with continuous batching through that runner. Build with ``engine_model``."""
+    """A transformers causal LM as a GraphRunner model callable over graphrt's paged KV pools, and
+    ``generate`` serving prompts with continuous batching through the engine's runners. Build with
+    ``engine_model``."""
 
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
                  kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any]) -> None:
@@ -114,134 +68,199 @@ class HFEngine:
         reason = refusal(model)
         if reason is not None:
             raise ValueError(f"model: {reason}")
+        _refuse_training(model)
         register_paged_attention()
-        layers = _probe_layers(model)
-        num_layers = model.config.get_text_config().num_hidden_layers
-        if sorted(layers) != list(range(num_layers)):
-            missing = sorted(set(range(num_layers)) - set(layers))
-            raise ValueError(f"model: {type(model).__name__} layers {missing} do not attend through transformers' "
-                             "AttentionInterface; their state cannot live in graphrt's paged KV pool")
-        shapes = set(layers.values())
-        if len(shapes) != 1:
-            raise ValueError(f"model: {type(model).__name__} layers differ in KV heads/head dims {sorted(shapes)}; "
-                             "graphrt's KV pool holds one shape for every layer")
-        (num_kv_heads, k_dim, v_dim, dtype), = shapes
-        device = next(model.parameters()).device
         slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
+        probed = probe_layers(model, lambda name: attention_implementation(model.config, name))
+        layout = plan_layout(model, probed, max_requests + 1, max_context, max_step_tokens, slots)
         self.model = model
         self.max_requests = max_requests
+        self.max_context = max_context
         self.max_step_tokens = max_step_tokens
-        self.graph_backend = backend
-        self.runner_options = dict(runner_options)
-        self.device = device
-        self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, device),
-                                KVPool(slots, num_layers, num_kv_heads, k_dim, dtype, device, v_head_dim=v_dim))
-        self.attn_backend = PagedAttnBackend(self.pools.req_to_token, self.pools.kv)
-        self._implementations = _Implementations(model.config, ATTENTION_NAME)
-        self._runners: Dict[Tuple[bool, int], GraphRunner] = {}
-        self._last: Optional[GraphRunner] = None
-        self._last_counts: Dict[str, Any] = {}
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.layout = layout
+        self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, self.device),
+                                LayeredKVPool(layout, self.device))
+        self._lock = threading.RLock()
+        self.runners = EngineRunners(self, self.pools, layout, backend, self.device, max_requests, max_step_tokens,
+                                     runner_options, self._lock)
+        self._stats: Dict[str, Any] = {}
         self._model_calls = 0
-        logger.info("engine: %s, %d layers of %d KV heads (k %d, v %d), %d KV slots", type(model).__name__,
-                    num_layers, num_kv_heads, k_dim, v_dim, slots)
+        self._in_runner = 0.0  # seconds in the runners' calls during the current call
+        self._in_decode = 0.0  # of those, in decode steps and launches
+        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s", type(model).__name__, slots,
+                    layout.pool_bytes() / 2**20, layout.describe())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] (float32) of the packed step: the model on ``[1, num_tokens]``."""
         self._model_calls += 1
-        with self._implementations:
+        with attention_implementation(self.model.config, ATTENTION_NAME):
             output = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                                 use_cache=False)
         return output.logits[0].float()
 
-    def runner(self, graphs: bool = True, steps_per_launch: int = 1) -> GraphRunner:
-        """The GraphRunner of this engine (captured on first use): full decode graphs, piecewise prefill and
-        mixed graphs split at the paged attention, and ``steps_per_launch`` multi-step keys; eager with
-        ``graphs=False``."""
-        key = (graphs, steps_per_launch)
-        runner = self._runners.get(key)
-        if runner is None:
-            options = dict(
-                max_batch_size=self.max_requests, capture_sizes=default_capture_sizes(self.max_requests),
-                modes=(ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED),
-                backend=self.graph_backend if graphs else "eager", device=self.device, progress=False,
-                splitting_ops=[PAGED_ATTENTION_OP], piecewise_sizes=default_piecewise_sizes(self.max_step_tokens),
-                decode_steps=(steps_per_launch,) if steps_per_launch > 1 else (),
-                **graph_runner_kwargs(self.attn_backend, self.pools))
-            runner = GraphRunner(self, RunnerConfig(**{**options, **self.runner_options}))
-            with torch.no_grad():
-                report = runner.capture()
-            logger.info("engine runner %s: %s", key, report)
-            self._runners[key] = runner
-        return runner
-
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, graphs: bool = True,
                  arrivals: Optional[Sequence[int]] = None, steps_per_launch: int = 1,
                  sampling: Optional[SamplingMetadata] = None, seed: int = 0,
-                 eos_token_id: Union[None, int, Sequence[int], str] = "model") -> List[List[int]]:
+                 eos_token_id: Union[None, int, Sequence[int], str] = "model",
+                 stop_token_ids: Optional[Sequence[Sequence[int]]] = None,
+                 generation_config: Any = "model") -> List[List[int]]:
         """Every prompt's generated token ids, served with continuous batching: at most ``max_requests``
         at once (the rest queue), request ``i`` arriving at step ``arrivals[i]`` (default: all at 0),
         prompts prefilled in chunks of the step budget. Greedy unless ``sampling`` (one row per prompt)
         samples; request ``i`` draws from a generator seeded ``seed + i``. A request stops after
-        ``max_new_tokens`` or an EOS id (default: the model's ``generation_config``; None: never).
-        ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys)."""
-        prompts = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
-        arrivals = self._checked(prompts, max_new_tokens, arrivals, steps_per_launch, sampling)
-        config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
-                             max_new_tokens=max_new_tokens, steps_per_launch=steps_per_launch,
-                             eos_token_ids=self._eos_ids(eos_token_id))
-        runner = self.runner(graphs, steps_per_launch)
-        self._last = runner
-
-        in_runner = [0.0]
-
-        def step(batch: ForwardBatch) -> Tuple[torch.Tensor, int]:
-            calls, start = self._model_calls, time.perf_counter()
-            logits = runner(batch)
-            in_runner[0] += time.perf_counter() - start
-            return logits, self._model_calls - calls
-
-        def launch(batch: ForwardBatch, steps: int) -> Tuple[torch.Tensor, int]:
-            calls, start = self._model_calls, time.perf_counter()
-            tokens = runner.decode(batch, steps)
-            in_runner[0] += time.perf_counter() - start
-            return tokens, self._model_calls - calls
-
-        start = time.perf_counter()
-        with torch.no_grad():
-            tokens, counts = serve(self.pools, self.attn_backend, step, launch, prompts, arrivals, config, sampling,
-                                   seed)
-        self._last_counts = {**asdict(counts), "seconds": time.perf_counter() - start, "runner_seconds": in_runner[0]}
-        return tokens
+        ``max_new_tokens``, an EOS id (default: the model's ``generation_config``; None: never) or one of
+        its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
+        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
+        ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
+        Calls from several threads run one at a time."""
+        with self._lock:
+            _refuse_training(self.model)
+            prompts = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
+            arrivals = self._checked(prompts, max_new_tokens, arrivals, steps_per_launch, sampling)
+            eos = self._eos_ids(eos_token_id)
+            stops = self._stops(stop_token_ids, len(prompts))
+            if generation_config == "model":
+                generation_config = getattr(self.model, "generation_config", None)
+            rules = GenerationRules.from_config(generation_config, eos, max_new_tokens, self.device)
+            if steps_per_launch > 1 and rules.names:
+                raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
+                                 f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
+                                 f"(or generation_config=None)")
+            requests = [Request(index, arrivals[index], self._request_tokens(prompt, index, rules, sampling, seed),
+                                frozenset(eos) | stops[index]) for index, prompt in enumerate(prompts)]
+            config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
+                                 max_new_tokens=max_new_tokens, max_context=self.max_context,
+                                 steps_per_launch=steps_per_launch)
+            counts = ServeCounts()
+            with self._call(counts):
+                step, launch = self._step_functions(graphs, steps_per_launch)
+                with torch.no_grad():
+                    return serve(self.pools, step, launch, requests, config, counts)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
         """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
-        the last tokens in one packed prefill step (piecewise graphs), the last tokens in one decode step
-        (full graphs). For checking the engine against the model; prompts of at least 2 tokens, at most
-        ``max_requests`` of them."""
-        if not prompts or len(prompts) > self.max_requests or not all(len(prompt) >= 2 for prompt in prompts):
-            raise ValueError(f"prompts: expected 1 to {self.max_requests} prompts of at least 2 tokens each")
-        runner = self.runner(graphs)
-        pools, device = self.pools, self.device
-        context = dict(pools=pools, attn_backend=self.attn_backend)
-        heads = [list(prompt[:-1]) for prompt in prompts]
-        lengths = [len(head) for head in heads]
-        with held_rows(pools, len(prompts)) as (rows, cached), torch.no_grad():
-            loc = pools.assign(rows, cached, lengths)
-            cached[:] = lengths
-            head_logits = runner(make_extend_batch(heads, rows, [0] * len(rows), loc, device, **context)).clone()
-            loc = pools.assign(rows, lengths, [1] * len(rows))
-            cached[:] = [length + 1 for length in lengths]
-            last = runner(make_decode_batch([prompt[-1] for prompt in prompts], rows, cached, loc, device, **context))
-            return [torch.cat((head, last[index: index + 1])) for index, head in enumerate(head_logits.split(lengths))]
+        the last tokens in packed prefill steps of at most ``max_step_tokens`` tokens (piecewise graphs),
+        the last tokens in one decode step (full graphs). For checking the engine against the model;
+        prompts of at least 2 tokens, at most ``max_requests`` of them."""
+        with self._lock:
+            if not prompts or len(prompts) > self.max_requests or not all(len(prompt) >= 2 for prompt in prompts):
+                raise ValueError(f"prompts: expected 1 to {self.max_requests} prompts of at least 2 tokens each")
+            prompts = [list(prompt) for prompt in prompts]
+            self._check_tokens(prompts)
+            pools, device = self.pools, self.device
+            logits: List[List[torch.Tensor]] = [[] for _ in prompts]
+            with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad():
+                step, _ = self._step_functions(graphs, 1)
+                while any(done < len(prompt) - 1 for done, prompt in zip(assigned, prompts)):
+                    room, chunks = self.max_step_tokens, []
+                    for index, prompt in enumerate(prompts):
+                        chunk = prompt[assigned[index]: min(len(prompt) - 1, assigned[index] + room)]
+                        if chunk:
+                            chunks.append((index, chunk))
+                            room -= len(chunk)
+                    picked = [rows[index] for index, _ in chunks]
+                    starts = [assigned[index] for index, _ in chunks]
+                    loc = pools.assign(picked, starts, [len(chunk) for _, chunk in chunks])
+                    for index, chunk in chunks:
+                        assigned[index] += len(chunk)
+                    batch = make_extend_batch([chunk for _, chunk in chunks], picked, starts, loc, device, pools=pools)
+                    out = step(batch)[0]
+                    for (index, _), part in zip(chunks, out.split([len(chunk) for _, chunk in chunks])):
+                        logits[index].append(part.clone())
+                loc = pools.assign(rows, assigned, [1] * len(rows))
+                for index in range(len(prompts)):
+                    assigned[index] += 1
+                last = step(make_decode_batch([prompt[-1] for prompt in prompts], rows, assigned, loc, device,
+                                              pools=pools))[0]
+                return [torch.cat((*parts, last[index: index + 1])) for index, parts in enumerate(logits)]
 
     def stats(self) -> Dict[str, Any]:
-        """The stats of the GraphRunner the last ``generate`` ran on (graph_runs, piecewise_runs,
-        eager_reasons, ...), with ``serve``: that call's step counts (decode steps, how many replayed,
-        prefill tokens, how many in piecewise graphs), its ``seconds`` and the ``runner_seconds`` spent
-        in the runner's calls (the rest is scheduling, batch building and sampling)."""
-        if self._last is None:
-            raise RuntimeError("stats(): no generate() call yet")
-        return {**self._last.stats(), "serve": dict(self._last_counts)}
+        """What the last ``generate`` (or ``prompt_logits``) call did, a failed one included: the runners it
+        used (``runners``; decode runners named by the width their attention reads, ``decode_widths``),
+        their counts during the call summed (graph_runs, piecewise_runs, eager_runs, eager_reasons, ...),
+        their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
+        many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
+        time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
+        ``decode_runner_seconds`` (decode steps and launches)."""
+        with self._lock:
+            if not self._stats:
+                raise RuntimeError("stats(): no generate() call yet")
+            return dict(self._stats)
+
+    def recapture(self) -> None:
+        """Capture every runner's graphs again under the state of now (after weights were rebound, or a
+        key was disabled by replay faults); the KV pools and what they hold stay."""
+        with self._lock:
+            _refuse_training(self.model)
+            self.runners.recapture()
+
+    def kv_bytes(self) -> Dict[str, float]:
+        """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
+        token takes per layer) and the model's ``minimum_per_token_per_layer`` (see graphrt.hf.kv_layout)."""
+        return {"pool_bytes": float(self.layout.pool_bytes()),
+                "per_token_per_layer": self.layout.bytes_per_token_per_layer(),
+                "minimum_per_token_per_layer": minimum_bytes_per_token_per_layer(self.model.config, self.layout)}
+
+    # ---- one call ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _call(self, counts: ServeCounts) -> Iterator[None]:
+        """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
+        before = self.runners.snapshot()
+        self._in_runner = self._in_decode = 0.0
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            self._stats = {**self.runners.call_stats(before),
+                           "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner,
+                                     "decode_runner_seconds": self._in_decode}}
+
+    def _step_functions(self, graphs: bool, steps_per_launch: int) -> Tuple[Any, Any]:
+        """``serve``'s step and launch: each batch to the runner that serves it, timed, with how many of
+        its steps ran the model eagerly."""
+        runners = self.runners
+
+        def step(batch: ForwardBatch) -> Tuple[torch.Tensor, int]:
+            key, runner = runners.for_batch(graphs, batch)
+            calls, start = self._model_calls, time.perf_counter()
+            logits = runner(batch)
+            seconds = time.perf_counter() - start
+            self._in_runner += seconds
+            if batch.forward_mode.is_decode_or_idle():
+                self._in_decode += seconds
+            eager = self._model_calls - calls
+            if eager:
+                runners.after_eager_step(key, runner)
+            return logits, eager
+
+        def launch(batch: ForwardBatch, steps: int) -> Tuple[torch.Tensor, int]:
+            key, runner = runners.for_batch(graphs, batch, steps_per_launch, steps)
+            calls, start = self._model_calls, time.perf_counter()
+            tokens = runner.decode(batch, steps)
+            seconds = time.perf_counter() - start
+            self._in_runner += seconds
+            self._in_decode += seconds
+            eager = self._model_calls - calls
+            if eager:
+                runners.after_eager_step(key, runner)
+            return tokens, eager
+
+        return step, launch
+
+    def _request_tokens(self, prompt: List[int], index: int, rules: GenerationRules,
+                        sampling: Optional[SamplingMetadata], seed: int) -> RequestTokens:
+        """What request ``index``'s tokens are chosen from: its processors, its sampling row, its generator."""
+        tokens = RequestTokens(prompt, processors=rules.make(len(prompt)))
+        if sampling is not None:
+            tokens.sampling = sampling.slice(index, index + 1)
+            tokens.generator = torch.Generator(device=self.device).manual_seed(seed + index)
+        return tokens
+
+    # ---- checks -----------------------------------------------------------------------------------
 
     def _eos_ids(self, eos_token_id: Union[None, int, Sequence[int], str]) -> Tuple[int, ...]:
         if isinstance(eos_token_id, str):
@@ -257,29 +276,50 @@ class HFEngine:
             raise TypeError(f"eos_token_id: expected ints, got {eos_token_id!r}")
         return ids
 
+    @staticmethod
+    def _stops(stop_token_ids: Optional[Sequence[Sequence[int]]], count: int) -> List[frozenset]:
+        """Each request's own stop ids (``stop_token_ids``: one list per prompt, or None)."""
+        if stop_token_ids is None:
+            return [frozenset()] * count
+        stops = list(stop_token_ids)
+        if len(stops) != count or not all(isinstance(ids, (list, tuple)) and all(type(token) is int for token in ids)
+                                          for ids in stops):
+            raise ValueError(f"stop_token_ids: expected one list of token ids (ints) per prompt ({count}), "
+                             f"got {stop_token_ids!r}")
+        return [frozenset(ids) for ids in stops]
+
+    def _check_tokens(self, prompts: List[List[int]]) -> None:
+        """ValueError naming the first prompt and position whose token id is outside the vocabulary."""
+        for index, prompt in enumerate(prompts):
+            for position, token in enumerate(prompt):
+                if not 0 <= token < self.vocab_size:
+                    raise ValueError(f"prompts[{index}][{position}]: token id {token} is outside the model's "
+                                     f"vocabulary (0 to {self.vocab_size - 1})")
+
     def _checked(self, prompts: Any, max_new_tokens: Any, arrivals: Any, steps_per_launch: Any,
                  sampling: Any) -> List[int]:
         """The arrivals of a valid ``generate`` call (all 0 by default); ValueError/TypeError naming the field."""
         if not isinstance(prompts, list) or not prompts or not all(
-                prompt and all(isinstance(token, int) for token in prompt) for prompt in prompts):
+                prompt and all(type(token) is int for token in prompt) for prompt in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty lists of token ids (ints)")
+        self._check_tokens(prompts)
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if type(steps_per_launch) is not int or steps_per_launch < 1:
             raise ValueError(f"steps_per_launch: expected an int >= 1, got {steps_per_launch!r}")
-        context = self.pools.req_to_token.max_context_len
         longest = max(len(prompt) for prompt in prompts)
-        if longest + max_new_tokens > context:
+        if longest + max_new_tokens > self.max_context:
             raise ValueError(f"max_new_tokens: the longest prompt ({longest}) plus {max_new_tokens} new tokens "
-                             f"exceed max_context={context}")
+                             f"exceed max_context={self.max_context}")
         if sampling is not None:
             if not isinstance(sampling, SamplingMetadata):
                 raise TypeError(f"sampling: expected a SamplingMetadata, got {type(sampling).__name__}")
             if sampling.num_reqs != len(prompts):
                 raise ValueError(f"sampling: expected one row per prompt ({len(prompts)}), got {sampling.num_reqs}")
-            if steps_per_launch > 1 and not bool(sampling.is_greedy().all()):
-                raise ValueError("steps_per_launch: multi-step launches choose tokens greedily inside the graph; "
-                                 "sampling needs steps_per_launch=1")
+            if steps_per_launch > 1 and not all(RequestTokens([], sampling=sampling.slice(row, row + 1)).plain_greedy
+                                                for row in range(sampling.num_reqs)):
+                raise ValueError("steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
+                                 "sampling and its penalties need steps_per_launch=1")
         if arrivals is None:
             return [0] * len(prompts)
         arrivals = list(arrivals)
@@ -289,18 +329,29 @@ class HFEngine:
         return arrivals
 
 
+def _refuse_training(model: Any) -> None:
+    """ValueError when any module of ``model`` is in train mode: the engine's attention has no dropout,
+    so its tokens would be neither train mode's nor eval mode's."""
+    training = [name or type(model).__name__ for name, module in model.named_modules() if module.training]
+    if training:
+        raise ValueError(f"model: {training[0]} is in train mode (dropout on); the engine path serves eval mode "
+                         f"only: call model.eval()")
+
+
 def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_step_tokens: int = 64,
                  kv_slots: Optional[int] = None, backend: str = "auto", **runner_options: Any) -> HFEngine:
     """The engine of a transformers causal LM: its modules and weights, its attention replaced by graphrt's
-    paged attention over a KV pool of ``kv_slots`` slots (default: every request at full context) for
-    ``max_requests`` requests of up to ``max_context`` tokens, and ``max_step_tokens`` tokens per step
-    (the chunk budget of prefill). ``runner_options`` (RunnerConfig fields: ``capture_sizes``,
-    ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for its runners. ValueError
-    names why a model cannot be served (no modeling-backend contract, layers that are not attention)."""
+    paged attention over KV pools for ``max_requests`` requests of up to ``max_context`` tokens, and
+    ``max_step_tokens`` tokens per step (the chunk budget of prefill): ``kv_slots`` slots for its
+    full-attention layers (default: every request at full context), a ring of a window plus a step per
+    request for its sliding-window layers, none for KV-shared layers. ``runner_options`` (RunnerConfig
+    fields: ``capture_sizes``, ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for
+    its runners. ValueError names why a model cannot be served (no modeling-backend contract, layers that
+    are not attention, a mask that says more than causal attention in a window, train mode)."""
     unknown = set(runner_options) - {field.name for field in fields(RunnerConfig)}
     if unknown:
         raise TypeError(f"runner_options: expected RunnerConfig fields, got {sorted(unknown)}")
     return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options)
 
 
-__all__ = ["HFEngine", "engine_model", "refusal"]
+__all__ = ["HFEngine", "attention_implementation", "engine_model", "refusal"]

@@ -6,8 +6,10 @@ and hands it to the runner. Per step, at most ``max_running`` requests hold a re
 running decodes come first (one token each), then the prefills take what is left of the token budget
 ``max_step_tokens`` in chunks (chunked prefill), so a step is DECODE, EXTEND or MIXED. Requests that
 have not arrived yet (``arrivals``: the step index of each) or find no free row, or not enough free KV
-slots for all they may still write, wait in order. When
-only decodes run and ``steps_per_launch`` > 1, one ``runner.decode`` call runs that many steps.
+slots for all they may still write, wait in order. When only decodes run and ``steps_per_launch`` > 1,
+one ``runner.decode`` call runs that many steps. Each request's tokens are chosen from its own logits,
+ids and generator (graphrt.hf.request_sampling). A request's KV slots count as its own the moment they
+are mapped in its table row, so a step that raises (or an interrupt) releases every slot and row.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Deque, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
-from graphrt.host.sampling import SamplingMetadata, sample
+from graphrt.hf.request_sampling import RequestTokens, choose_tokens
 from graphrt.reference import CachePools, make_decode_batch, make_extend_batch
 
 logger = logging.getLogger(__name__)
@@ -34,15 +36,20 @@ LaunchFn = Callable[[ForwardBatch, int], Tuple[torch.Tensor, int]]
 
 @dataclass
 class Request:
-    """One prompt being served: its request row, how many of its tokens are in the KV cache, its output."""
+    """One prompt being served: its request row, how many KV slots it was assigned and how many of its
+    tokens are in the KV cache, what its tokens are chosen from, the ids that stop it."""
 
     index: int
-    prompt: List[int]
     arrival: int
-    generator: Optional[torch.Generator] = None
+    tokens: RequestTokens
+    stops: FrozenSet[int] = frozenset()
     row: int = 0
+    assigned: int = 0  # KV slots mapped in its table row (released with it, whatever happens to the step)
     cached: int = 0
-    output: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
+        self.output: List[int] = self.tokens.output
 
     @property
     def prefilling(self) -> bool:
@@ -52,18 +59,20 @@ class Request:
 
 @dataclass
 class ServeConfig:
-    """How ``serve()`` schedules: request rows, the token budget of a step, steps per decode launch, stops."""
+    """How ``serve()`` schedules: request rows, the token budget of a step, steps per decode launch, the
+    context, how many tokens a request may generate."""
 
     max_running: int
     max_step_tokens: int
     max_new_tokens: int
+    max_context: int
     steps_per_launch: int = 1
-    eos_token_ids: Tuple[int, ...] = ()
 
     def slots_needed(self, request: Request) -> int:
         """The most KV slots ``request`` may take: its prompt, its new tokens but the last (never fed back)
-        and the steps a launch may run past its stop."""
-        return len(request.prompt) + self.max_new_tokens - 1 + self.steps_per_launch - 1
+        and the steps a launch may run past its stop, never more than the context (a launch stops there)."""
+        wanted = len(request.prompt) + self.max_new_tokens - 1 + self.steps_per_launch - 1
+        return min(wanted, self.max_context)
 
 
 @dataclass
@@ -79,46 +88,16 @@ class ServeCounts:
     max_running: int = 0
 
 
-class _Sampler:
-    """Next tokens of the rows that end a request's step: argmax, or seeded per-request sampling."""
-
-    def __init__(self, sampling: Optional[SamplingMetadata]) -> None:
-        self.sampling = sampling
-        self.greedy = sampling is None or bool(sampling.is_greedy().all())
-
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> List[int]:
-        """One token per row of ``logits`` [rows, vocab]; row ``i`` ends a step of ``requests[i]``."""
-        if self.greedy:
-            return logits.argmax(-1).tolist()
-        vocab = logits.shape[-1]
-        chosen = []
-        for row, request in enumerate(requests):  # each request draws from its own generator
-            counts = torch.bincount(torch.tensor(request.output, dtype=torch.int64), minlength=vocab)
-            meta = self.sampling.slice(request.index, request.index + 1)
-            token = sample(logits[row: row + 1], meta, request.generator, counts[None, :vocab])
-            chosen.append(int(token[0]))
-        return chosen
-
-
-def serve(pools: CachePools, attn_backend: object, step: StepFn, launch: Optional[LaunchFn],
-          prompts: Sequence[Sequence[int]], arrivals: Sequence[int], config: ServeConfig,
-          sampling: Optional[SamplingMetadata] = None, seed: int = 0) -> Tuple[List[List[int]], ServeCounts]:
-    """Every prompt's generated tokens (up to ``max_new_tokens``, stopping after an EOS id) and the step
-    counts. ``launch`` runs several greedy decode steps (``GraphRunner.decode``), used when
-    ``steps_per_launch`` > 1. Request ``i`` samples from a generator seeded ``seed + i``. Pools are
-    released on return."""
+def serve(pools: CachePools, step: StepFn, launch: Optional[LaunchFn], requests: Sequence[Request],
+          config: ServeConfig, counts: ServeCounts) -> List[List[int]]:
+    """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
+    counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did).
+    ``launch`` runs several greedy decode steps (``GraphRunner.decode``), used when ``steps_per_launch``
+    > 1. Every request row and KV slot taken is released on return, an exception or interrupt included."""
     device = pools.req_to_token.device
-    choose = _Sampler(sampling)
-    generators = [None] * len(prompts)
-    if sampling is not None:
-        generators = [torch.Generator(device=device).manual_seed(seed + index) for index in range(len(prompts))]
-    order = sorted(range(len(prompts)), key=lambda index: (arrivals[index], index))
-    waiting: Deque[Request] = deque(Request(index, list(prompts[index]), arrivals[index], generators[index])
-                                    for index in order)
+    waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
     running: List[Request] = []
-    done: List[Optional[List[int]]] = [None] * len(prompts)
-    counts = ServeCounts()
-    context = dict(pools=pools, attn_backend=attn_backend)
+    done: List[Optional[List[int]]] = [None] * len(requests)
     clock = 0
     try:
         while waiting or running:
@@ -136,20 +115,33 @@ def serve(pools: CachePools, attn_backend: object, step: StepFn, launch: Optiona
             counts.max_running = max(counts.max_running, len(running))
             decodes = [request for request in running if not request.prefilling]
             if len(decodes) == len(running) and config.steps_per_launch > 1 and launch is not None:
-                _launch(pools, launch, decodes, config, counts, context, device)
+                _launch(pools, launch, decodes, config, counts, device)
             else:
-                _step(pools, step, running, decodes, config, counts, context, device, choose)
+                _step(pools, step, running, decodes, config, counts, device)
             for request in [request for request in running if _finished(request, config)]:
                 running.remove(request)
-                pools.release(request.row, request.cached)
-                request.row = 0
+                _release(pools, request)
                 done[request.index] = request.output
             clock += 1
     finally:
         for request in running:
-            if request.row:
-                pools.release(request.row, request.cached)
-    return done, counts
+            _release(pools, request)
+    return done
+
+
+def _release(pools: CachePools, request: Request) -> None:
+    """The request's row and every KV slot mapped in it back to the pools."""
+    if request.row:
+        pools.release(request.row, request.assigned)
+        request.row, request.assigned = 0, 0
+
+
+def _assign(pools: CachePools, requests: Sequence[Request], counts: Sequence[int]) -> torch.Tensor:
+    """``counts[i]`` KV slots after what ``requests[i]`` holds, counted as its own at once."""
+    out_loc = pools.assign([request.row for request in requests], [request.assigned for request in requests], counts)
+    for request, count in zip(requests, counts):
+        request.assigned += count
+    return out_loc
 
 
 @contextmanager
@@ -171,16 +163,15 @@ def held_rows(pools: CachePools, count: int) -> Iterator[Tuple[List[int], List[i
 def _slots_left(pools: CachePools, running: Sequence[Request], config: ServeConfig) -> int:
     """Free KV slots once every running request has taken all it may still need (admission waits for
     room rather than running out of slots mid-request)."""
-    return pools.kv.available - sum(config.slots_needed(request) - request.cached for request in running)
+    return pools.kv.available - sum(config.slots_needed(request) - request.assigned for request in running)
 
 
 def _finished(request: Request, config: ServeConfig) -> bool:
-    return len(request.output) >= config.max_new_tokens or (
-        bool(request.output) and request.output[-1] in config.eos_token_ids)
+    return len(request.output) >= config.max_new_tokens or (bool(request.output) and request.output[-1] in request.stops)
 
 
 def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List[Request], config: ServeConfig,
-          counts: ServeCounts, context: dict, device: torch.device, choose: _Sampler) -> None:
+          counts: ServeCounts, device: torch.device) -> None:
     """One step through ``step``: the running decodes first, then prefill chunks within the token budget."""
     chunks = [(request, [request.output[-1]]) for request in decodes]
     room = config.max_step_tokens - len(chunks)
@@ -192,16 +183,16 @@ def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List
     requests = [request for request, _ in chunks]
     rows = [request.row for request in requests]
     starts = [request.cached for request in requests]
-    out_loc = pools.assign(rows, starts, [len(chunk) for _, chunk in chunks])
+    out_loc = _assign(pools, requests, [len(chunk) for _, chunk in chunks])
     if len(decodes) == len(chunks):
         batch = make_decode_batch([chunk[0] for _, chunk in chunks], rows, [start + 1 for start in starts], out_loc,
-                                  device, **context)
+                                  device, pools=pools)
         logits, eager = step(batch)
         counts.decode_steps += 1
         counts.decode_steps_graphed += 1 - eager
     else:
         mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
-        batch = make_extend_batch([chunk for _, chunk in chunks], rows, starts, out_loc, device, mode=mode, **context)
+        batch = make_extend_batch([chunk for _, chunk in chunks], rows, starts, out_loc, device, mode=mode, pools=pools)
         logits, eager = step(batch)
         prompt_tokens = sum(len(chunk) for request, chunk in chunks if request.prefilling)
         counts.prefill_steps += 1
@@ -218,23 +209,22 @@ def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List
     if not sampled:
         return
     rows_logits = logits[torch.tensor(last_rows, device=logits.device)]
-    tokens = choose(rows_logits, sampled)
+    tokens = choose_tokens(rows_logits, [request.tokens for request in sampled])
     for request, token in zip(sampled, tokens):
         request.output.append(token)
 
 
 def _launch(pools: CachePools, launch: LaunchFn, decodes: List[Request], config: ServeConfig, counts: ServeCounts,
-            context: dict, device: torch.device) -> None:
+            device: torch.device) -> None:
     """Several greedy decode steps in one ``launch``: every step's slots mapped ahead in the request table
     (step-major), tokens past a request's stop dropped (their slots stay the request's until release)."""
-    context_len = pools.req_to_token.max_context_len
-    steps = min(config.steps_per_launch, *(context_len - request.cached for request in decodes))
+    steps = min(config.steps_per_launch, *(config.max_context - request.cached for request in decodes))
     rows = [request.row for request in decodes]
     starts = [request.cached for request in decodes]
-    out_loc = pools.assign(rows, starts, [steps] * len(decodes))
+    out_loc = _assign(pools, decodes, [steps] * len(decodes))
     step_major = out_loc.view(len(decodes), steps).t().reshape(-1)
     batch = make_decode_batch([request.output[-1] for request in decodes], rows, [start + 1 for start in starts],
-                              step_major, device, **context)
+                              step_major, device, pools=pools)
     chosen_tokens, eager = launch(batch, steps)
     tokens = chosen_tokens.t().tolist()  # [rows, steps]
     counts.multi_step_launches += 1

@@ -112,12 +112,16 @@ def _sampling_dtype(name: str) -> torch.dtype:
     return torch.int64 if name == "top_ks" else torch.float32
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata, token_counts: torch.Tensor) -> torch.Tensor:
-    """Repetition (HF-style), presence and frequency penalties from per-request output token counts."""
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata, token_counts: torch.Tensor,
+                    repeated: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Repetition (HF-style), presence and frequency penalties from per-request output token counts;
+    ``repeated`` ([num_reqs, vocab] bool, default: the output's tokens) is where the repetition
+    penalty applies (a request's prompt and output, as vLLM and ``generate()`` count it)."""
     counts = token_counts.to(logits.device, logits.dtype)
     seen = counts > 0
     rep = meta.repetition_penalties[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = torch.where(seen if repeated is None else repeated, torch.where(logits > 0, logits / rep, logits * rep),
+                         logits)
     return logits - meta.presence_penalties[:, None] * seen - meta.frequency_penalties[:, None] * counts
 
 

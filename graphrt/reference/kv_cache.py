@@ -78,14 +78,18 @@ class KVPool:
         device: Device = "cpu",
         v_head_dim: Optional[int] = None,
     ) -> None:
-        if num_slots < 2:
-            raise ValueError(f"num_slots: expected >= 2 (slot {SCRATCH_SLOT} is reserved), got {num_slots}")
-        self.num_slots = num_slots
-        self.device = torch.device(device)
+        self._init_slots(num_slots, device)
         k_shape = (num_slots, num_kv_heads, head_dim)
         v_shape = (num_slots, num_kv_heads, head_dim if v_head_dim is None else v_head_dim)
         self.k_buffers = [torch.zeros(k_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(v_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def _init_slots(self, num_slots: int, device: Device) -> None:
+        """The slot bookkeeping: ``num_slots`` slots, all free but the scratch slot (buffers are the caller's)."""
+        if num_slots < 2:
+            raise ValueError(f"num_slots: expected >= 2 (slot {SCRATCH_SLOT} is reserved), got {num_slots}")
+        self.num_slots = num_slots
+        self.device = torch.device(device)
         self._free_slots = torch.arange(1, num_slots, dtype=torch.int64, device=self.device)
 
     @property
