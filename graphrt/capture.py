@@ -195,7 +195,7 @@ class KeyCapture:
         try:
             graph = capture_graph(self.backend, step, max(warmup_iters, 1) if self.compiled else warmup_iters, record,
                                   journal, watch, capture_path=not self.compiled,
-                                  compile_step=lambda: self._compile(entry, step))
+                                  compile_step=lambda: self._compile(entry))
             check_devices(entry, graph, self.backend.graph_device)
         except Exception as caught:  # a failed capture disables only this key
             error = caught
@@ -220,15 +220,18 @@ class KeyCapture:
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad, journal.touched)
         return True
 
-    def _compile(self, entry: GraphEntry, step: Callable[[], Any]) -> None:
+    def _compile(self, entry: GraphEntry) -> None:
         """If the step ran torch.compile'd code (seen by its warm-ups), compile it at the key's shapes with
-        no dispatch mode active, the key's rows marked dynamic (graphrt.backends.compile_runs)."""
+        no dispatch mode active, the key's rows marked dynamic (graphrt.backends.compile_runs). The step
+        runs bare: compiling assigns attributes of the modules Dynamo and inductor make (inductor on CUDA
+        rebinds its GraphModules' ``meta``), which the assignment journal would refuse; the step's own
+        Python state was checked by the observed warm-up, and a cache hit under it assigns nothing."""
         if not entry.runs_compiled:
             return
         tensors: List[Any] = []
         flatten(entry.static_inputs, tensors)
         with self.backend.warmup_context():
-            entry.compiled = compile_run(step, [leaf for leaf in tensors if isinstance(leaf, torch.Tensor)],
+            entry.compiled = compile_run(entry.step, [leaf for leaf in tensors if isinstance(leaf, torch.Tensor)],
                                          (entry.key.num_tokens, entry.key.num_reqs))
         if not entry.compiled.compiled:
             logger.warning("%s: the step's torch.compile'd code runs eagerly at this key's shapes: %s", entry.key,

@@ -181,6 +181,32 @@ def test_a_compiled_model_compiles_outside_every_dispatch_mode_and_stays_compile
         "the eager step ran the compiled code")
 
 
+class MetaRebindingBackend(CountingBackend):
+    """A compile backend that rebinds its GraphModule's ``meta`` after building it, as inductor does on
+    CUDA (seen on an H200, torch 2.11: ``RebindError: GraphModuleImpl.meta: the step rebinds it``)."""
+
+    def __call__(self, graph_module, example_inputs):
+        graph_module.meta = dict(graph_module.meta)
+        return super().__call__(graph_module, example_inputs)
+
+
+@pytest.mark.parametrize("where", ["handed over", "forward compiled in place"])
+def test_compiling_runs_outside_the_assignment_journal(where):
+    """The compile run of each key runs the step bare: the attributes compiling assigns on Dynamo's and
+    inductor's own modules are not the step's Python state (before: the first recording of every key
+    failed with RebindError on a GPU, naming ``GraphModuleImpl.meta``)."""
+    model = Stepper().eval()
+    backend = MetaRebindingBackend()
+    if where == "handed over":
+        fn = torch.compile(model, backend=backend)
+    else:
+        model.forward = torch.compile(model.forward, backend=backend)
+        fn = model
+    fast = graphrt.wrap(fn, max_batch_size=8, capture_sizes=[4, 8], backend="emulated")
+    report = fast.capture(torch.randn(8, 16))
+    assert not report.failed and [key.compiled for key in report.keys] == [True, True], str(report)
+
+
 def test_check_leaves_a_compiled_callable_compilable():
     counting = CountingBackend()
     compiled = torch.compile(Stepper().eval(), backend=counting)
