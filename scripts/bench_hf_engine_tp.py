@@ -1,6 +1,7 @@
 """The engine path with 1 and 2 tensor-parallel ranks on CPU: tokens/s, graphrt's cost per step, steps replayed.
 
     PYTHONPATH=. python scripts/bench_hf_engine_tp.py [--family llama] [--hidden 256] [--prompts 8] [--new-tokens 32]
+        [--device cuda]
 
 The same model (random weights, 4 layers) and prompts go through ``graphrt.hf.engine_model(...).generate``
 in fresh processes (gloo, one torch thread each): one rank alone, one rank in lockstep (a process group of
@@ -12,6 +13,8 @@ runner (of which the lockstep step agreement: one host all-reduce, and the wait 
 outside it (scheduling, batch building, sampling; of which the broadcast of rank 0's tokens). On CPU the graphs
 are the emulated backend (recorded ops replayed one by one) and two ranks share the machine's cores, so the
 tokens/s say nothing about GPUs or about tensor parallelism's speedup: the point is graphrt's per-step cost.
+``--device cuda``: NCCL for the model, gloo for the agreements, one GPU per rank (rows needing more GPUs than
+the machine has are marked so); the graphs are CUDA graphs.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def rank_rows(rank: int, options: Dict[str, Any], grouped: bool) -> List[Dict[st
     agreeing, sharing = [0.0], [0.0]
     timing(Lockstep, "agree_step", agreeing)
     timing(EngineRanks, "share_tokens", sharing)
-    model = tiny_model(options["family"], hidden_size=options["hidden"], intermediate_size=2 * options["hidden"],
-                       num_hidden_layers=4, head_dim=options["hidden"] // 4)
+    model = tiny_model(options["family"], options["device"], hidden_size=options["hidden"],
+                       intermediate_size=2 * options["hidden"], num_hidden_layers=4, head_dim=options["hidden"] // 4)
     prompts = ragged_prompts([4 + (7 * index) % 29 for index in range(options["prompts"])])
     expected = generate_alone(model, prompts, options["new_tokens"])
     group = {"process_group": dist.group.WORLD} if grouped else {}
@@ -71,7 +74,7 @@ def rank_rows(rank: int, options: Dict[str, Any], grouped: bool) -> List[Dict[st
         agreeing[0] = sharing[0] = 0.0
         start = time.perf_counter()
         tokens = engine.generate(prompts, max_new_tokens=options["new_tokens"], graphs=graphs)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # generate() returns host lists: the device has finished
         stats = engine.stats()
         serve = stats["serve"]
         steps = serve["decode_steps"] + serve["prefill_steps"]
@@ -90,15 +93,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-requests", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     options = vars(parser.parse_args(argv))
+    gpus = torch.cuda.device_count() if options["device"] == "cuda" else 2
+    where = (f"{torch.cuda.get_device_name()} x{gpus}, NCCL" if options["device"] == "cuda" else
+             f"CPU, gloo, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     print(f"{options['family']}, hidden {options['hidden']}, 4 layers, {options['prompts']} prompts x "
-          f"{options['new_tokens']} new tokens, {options['max_requests']} requests at once, CPU, gloo, one torch "
-          f"thread per rank, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+          f"{options['new_tokens']} new tokens, {options['max_requests']} requests at once, {where}, one torch "
+          "thread per rank")
     print("| ranks | path | tokens equal generate() | tokens/s | steps | steps replayed | ms/step in runner "
           "| of which step agreement | ms/step outside runner | of which token broadcast |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    backend = "nccl" if options["device"] == "cuda" else "gloo"
     for label, world_size, grouped in (("1 (alone)", 1, False), ("1 (lockstep)", 1, True), ("2 (tensor parallel)", 2, True)):
-        rows = run_ranks(rank_rows, options, grouped, world_size=world_size, timeout_s=TIMEOUT_S)[0]
+        if world_size > gpus:
+            print(f"| {label} | needs {world_size} GPUs | | | | | | | | |")
+            continue
+        rows = run_ranks(rank_rows, options, grouped, world_size=world_size, backend=backend, timeout_s=TIMEOUT_S)[0]
         for row in rows:
             print(f"| {label} | {'graphs' if row['graphs'] else 'eager'} | {'yes' if row['equal'] else '**no**'} "
                   f"| {row['tokens_per_s']:.0f} | {row['steps']} | {100 * row['replayed']:.0f}% "
