@@ -65,7 +65,9 @@ class EngineRanks:
                              "engine must make the same calls with the same arguments")
 
     def share_tokens(self, tokens: List[int]) -> List[int]:
-        """Rank 0's tokens of a step, on every rank (one broadcast of a host int64 tensor)."""
+        """Rank 0's tokens of a step, on every rank (one broadcast of a host int64 tensor; alone: its own)."""
+        if self.world_size == 1:
+            return tokens
         with torch.inference_mode(False):
             shared = torch.tensor(tokens, dtype=torch.int64)
             try:

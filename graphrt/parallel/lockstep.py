@@ -250,7 +250,10 @@ class Lockstep:
         return StepAgreement(ForwardMode(high), num_tokens, num_reqs, bool(any_eager), unready, steps)
 
     def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """All-reduce MAX of a host tensor on the CPU group; PeerLostError naming ``what`` if it fails."""
+        """All-reduce MAX of a host tensor on the CPU group (alone: the tensor is its own maximum);
+        PeerLostError naming ``what`` if it fails."""
+        if self.world_size == 1:
+            return
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.cpu_group)
         except RuntimeError as error:
