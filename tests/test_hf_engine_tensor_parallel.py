@@ -26,6 +26,7 @@ from hf_helpers import tiny_model  # noqa: E402
 from lockstep_helpers import report_now, run_ranks  # noqa: E402
 
 import graphrt.hf  # noqa: E402
+from graphrt.backends.state_journal import backing_tensor  # noqa: E402
 from graphrt.hf.tensor_parallel import ATTRIBUTE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -45,6 +46,15 @@ def engine_for(model, group=None, **options):
                                    piecewise_sizes=[2, 4], process_group=group or dist.group.WORLD, **options)
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the memory the model's parameters hold (a DTensor's: its local shard's), each allocation once."""
+    storages = {}
+    for parameter in model.parameters():
+        storage = backing_tensor(parameter).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def serve_family(family: str) -> dict:
     """Tokens graphed and eager against generate() on the unsharded model; the shard's shapes; prompt logits."""
     model = tiny_model(family)
@@ -56,12 +66,14 @@ def serve_family(family: str) -> dict:
         with torch.no_grad():
             reference = [model(torch.tensor([prompt])).logits[0].float() for prompt in prompts[:2]]
     q_rows = model.model.layers[0].self_attn.q_proj.weight.shape[0]
+    unsharded_bytes = weight_bytes(model)
     engine = engine_for(model)
     graphed = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS)
     stats = engine.stats()
     eager = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS, graphs=False)
     result = dict(expected=expected, graphed=graphed, eager=eager, stats=stats, eager_stats=engine.stats(),
                   rules=dict(getattr(model, ATTRIBUTE).rules), kv_heads=engine.layout.layers[0].num_kv_heads,
+                  weight_bytes=(unsharded_bytes, weight_bytes(model)),
                   q_rows=(q_rows, model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0]
                           if hasattr(model.model.layers[0].self_attn.q_proj.weight, "to_local") else q_rows))
     if reference is not None:
@@ -189,6 +201,8 @@ def test_each_rank_holds_its_shard_as_the_plan_says(reports):
         assert served[family]["kv_heads"] == 1
         full, local = served[family]["q_rows"]
         assert local * 2 == full
+        unsharded, sharded = served[family]["weight_bytes"]  # the whole weights are not kept beside the shards
+        assert sharded < 0.6 * unsharded, (family, unsharded, sharded)
     assert rules["qwen3-moe"]["model.layers.0.mlp.experts"] == "moe_tp_experts"
     assert rules["qwen3-moe"]["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
     assert rules["gpt-oss"]["lm_head"] == "colwise_gather_output"  # its plan leaves attention whole
