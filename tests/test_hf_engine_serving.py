@@ -226,6 +226,9 @@ def test_recapture_serves_rebound_weights_from_graphs():
     assert serve["decode_steps_graphed"] == serve["decode_steps"] > 0
 
 
+ENGINES = 5  # built and dropped per round: an object kept per engine shows as ENGINES of them
+
+
 def test_engines_built_and_dropped_keep_nothing(llama):
     """Nothing an engine made outlives it: no Python object, no recorded step's generated source (torch.fx
     keeps each in a process-wide cache and in ``linecache``, about 47 KiB per tiny engine before)."""
@@ -248,13 +251,13 @@ def test_engines_built_and_dropped_keep_nothing(llama):
     gc.freeze()  # the objects of now out of every collection: capture's gc.collect() and ours stay fast
     try:
         held_after = []
-        for _ in range(2):  # 10 engines, then 10 more: what the second 10 keep beyond the first is per engine
-            for _ in range(10):
+        for _ in range(2):  # 5 engines, then 5 more: what the second 5 keep beyond the first is per engine
+            for _ in range(ENGINES):
                 serve_once()
             held_after.append(held())
     finally:
         gc.unfreeze()
     (objects, sources), (now_objects, now_sources) = held_after
     kept = now_objects - objects
-    assert sum(kept.values()) < 10 and now_sources == sources, \
-        f"{now_sources - sources} sources and these objects kept by 10 engines: {kept.most_common(8)}"
+    assert sum(kept.values()) < ENGINES and now_sources == sources, \
+        f"{now_sources - sources} sources and these objects kept by {ENGINES} engines: {kept.most_common(8)}"
