@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hf_engine_helpers import generate_alone, ragged_prompts  # noqa: E402
-from hf_helpers import tiny_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hf_engine import add_workload_options, workload  # noqa: E402
+from hf_engine_helpers import generate_alone  # noqa: E402
 from lockstep_helpers import run_ranks  # noqa: E402
 
 import graphrt.hf  # noqa: E402
@@ -61,9 +62,7 @@ def rank_rows(rank: int, options: Dict[str, Any], grouped: bool) -> List[Dict[st
     agreeing, sharing = [0.0], [0.0]
     timing(Lockstep, "agree_step", agreeing)
     timing(EngineRanks, "share_tokens", sharing)
-    model = tiny_model(options["family"], options["device"], hidden_size=options["hidden"],
-                       intermediate_size=2 * options["hidden"], num_hidden_layers=4, head_dim=options["hidden"] // 4)
-    prompts = ragged_prompts([4 + (7 * index) % 29 for index in range(options["prompts"])])
+    model, prompts = workload(options["family"], options["hidden"], options["prompts"], options["device"])
     expected = generate_alone(model, prompts, options["new_tokens"])
     group = {"process_group": dist.group.WORLD} if grouped else {}
     engine = graphrt.hf.engine_model(model, max_requests=options["max_requests"], max_context=64, max_step_tokens=32,
@@ -88,11 +87,7 @@ def rank_rows(rank: int, options: Dict[str, Any], grouped: bool) -> List[Dict[st
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (intermediate 2x, 4 layers)")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--max-requests", type=int, default=4)
+    add_workload_options(parser)
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     options = vars(parser.parse_args(argv))
     gpus = torch.cuda.device_count() if options["device"] == "cuda" else 2
