@@ -384,14 +384,16 @@ class GraphRunner:
         if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
             raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
 
-    def _lockstep_step(self, batch: Optional[ForwardBatch]) -> Any:
-        """One agreed step of a validated batch (None: idle); its real rows' outputs, None when idle."""
+    def _lockstep_step(self, batch: Optional[ForwardBatch], record: bool = True) -> Any:
+        """One agreed step of a validated batch (None: idle); its real rows' outputs, None when idle.
+        ``record``: the agreed size goes to the histogram (not for a launch's steps: the launch's went)."""
         local_reason = self.dispatcher.decide(batch).reason if batch is not None else None
         local_reason = local_reason if local_reason in SIZE_INDEPENDENT else None
         agreed = self.lockstep.agree_step(batch, local_reason is not None, self.registry.entries)
         if agreed.mode is None:
             return None
-        self._stats.record_size(agreed.mode, agreed.num_reqs)
+        if record:
+            self._stats.record_size(agreed.mode, agreed.num_reqs)
         work = batch if batch is not None else empty_batch(agreed.mode, self.device)
         result = self._step(work, agreed, local_reason)
         return result if batch is not None else None
@@ -416,12 +418,13 @@ class GraphRunner:
                                  local_reason)
         if decision.reason is not None and batch is None:
             for _ in range(steps):  # the peers' steps, one by one
-                self._lockstep_step(None)
+                self._lockstep_step(None, record=False)
             return None
         work = batch if batch is not None else empty_batch(agreed.mode, self.device)
         if decision.reason is None:
             self._check_cut(decision.entry, work)
-        tokens = self._decoder.run_decided(work, steps, fn, decision, self._lockstep_step)
+        tokens = self._decoder.run_decided(work, steps, fn, decision,
+                                           lambda step: self._lockstep_step(step, record=False))
         return tokens if batch is not None else None
 
     def _step(

@@ -311,4 +311,5 @@ def run_launches_and_piecewise(rank: int) -> dict:
         seen["disagree"] = str(error)
     stats = runner.stats()
     seen["stats"] = {name: stats[name] for name in ("multi_step_runs", "piecewise_runs", "multi_step_fallbacks")}
+    seen["histogram"] = stats["histogram"]
     return seen

@@ -97,3 +97,5 @@ def test_launches_and_piecewise_steps_in_lockstep_with_different_work_per_rank(r
         assert "steps: ranks disagree (1 and 2 decode steps" in launches["disagree"]
         assert launches["stats"] == {"multi_step_runs": 1, "piecewise_runs": 1,
                                      "multi_step_fallbacks": {"steps_not_captured": 1}}
+        # Each launch counts once at its agreed rows, also when its steps ran one by one.
+        assert launches["histogram"] == {"DECODE": {3: 1, 2: 1}, "EXTEND": {2: 1}}

@@ -43,10 +43,6 @@ class Sharding:
     rank: int
     rules: Tuple[Tuple[str, str], ...]  # (plan entry, style) as applied
 
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
 
 def shard_model(model: torch.nn.Module, group: Any) -> Sharding:
     """Shard ``model`` in place over ``group`` by its tensor-parallel plan (every rank calls it on the same
@@ -83,7 +79,7 @@ def shard_model(model: torch.nn.Module, group: Any) -> Sharding:
             raise ValueError(f"model: {name}.{module_name} is a {type(module).__name__} under the plan's "
                              f"{style_name!r}, whose local path is nn.Linear's")
         if style_name == VOCAB_EMBEDDING:
-            _vocab_parallel_embedding(module, f"{module_name}", mesh, group, rank, len(ranks))
+            _vocab_parallel_embedding(module, module_name, mesh, group, rank, len(ranks))
             applied[module_name] = style_name
             continue
         for param_name in list(module._parameters):
