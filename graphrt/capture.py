@@ -36,6 +36,7 @@ from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
 from graphrt.backends.base import StepRefusal
 from graphrt.backends.compile_runs import compile_run, compiled_code
 from graphrt.backends.compiled import eager_stance
+from graphrt.batch import ForwardBatch
 from graphrt.debug import GenerationCounter
 from graphrt.entry import GraphEntry, GraphKey, GraphStatus, KeyKind
 from graphrt.guards import observed_run, python_state_kept
@@ -240,14 +241,17 @@ class KeyCapture:
 
 def check_devices(entry: GraphEntry, graph: CapturedGraph, device: Optional[torch.device]) -> None:
     """Refuse a graph whose static inputs or outputs live off its backend's device: a CUDA graph
-    neither stages nor refreshes a CPU tensor (it would replay the capture's outputs forever)."""
+    neither stages nor refreshes a CPU tensor (it would replay the capture's outputs forever). A
+    ForwardBatch's ``seq_lens_cpu`` is a host mirror by contract, read on the host (a piecewise key's
+    splitting ops read the live batch's), never by the graph."""
     if device is None:
         return
     inputs: List[Any] = []
     named = [(path, leaf) for path, leaf in zip(leaf_paths(flatten(entry.static_inputs, inputs), "input"), inputs)]
     named += list(zip(leaf_paths(entry.output_structure, "output"), graph.outputs))
+    mirror = getattr(entry.static_inputs, "seq_lens_cpu", None) if isinstance(entry.static_inputs, ForwardBatch) else None
     for path, leaf in named:
-        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+        if isinstance(leaf, torch.Tensor) and leaf.device != device and leaf is not mirror:
             raise ValueError(f"{path} is on {leaf.device}: a graph captured on {device} can neither stage nor "
                              "refresh it; keep the step's tensors on one device (wrap() picks the backend from "
                              "the call's tensors with backend='auto')")

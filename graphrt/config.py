@@ -61,7 +61,8 @@ class RunnerConfig:
     ``decode_steps``: step counts (ints >= 2) of the multi-step keys captured for every decode
     capture size, e.g. ``(4, 8)``: ``GraphRunner.decode(batch, steps)`` then runs that many decode
     steps in one replay, the next tokens chosen inside the graph by ``next_tokens(output, step)``
-    (a device-only function of the model's output; default ``output.argmax(-1)``). Single rank only.
+    (a device-only function of the model's output; default ``output.argmax(-1)``). In lockstep every rank
+    calls ``decode(batch, steps)`` (or ``idle_step(steps)``) together.
     ``scratch_state``: tensors the model writes only at rows the staged indices address (a KV cache
     written at ``out_cache_loc``): capture stages pad values first, so their writes land in rows no
     request owns and are not copied to be undone. Tensors held by ``batch_context``'s
@@ -197,8 +198,6 @@ class RunnerConfig:
         steps = tuple(steps)
         if not all(type(count) is int and count >= 2 for count in steps):
             raise ValueError(f"decode_steps: expected a sequence of ints >= 2, got {steps!r}")
-        if steps and self.process_group is not None:
-            raise ValueError("decode_steps: expected () with process_group (multi-step keys are single-rank)")
         if self.next_tokens is not None and not callable(self.next_tokens):
             raise TypeError(f"next_tokens: expected a callable next_tokens(output, step), got "
                             f"{type(self.next_tokens).__name__}")

@@ -69,16 +69,22 @@ class Dispatcher:
             or (batch.req_to_token_pool is not None and batch.req_to_token_pool is not self._req_to_token_pool)
         ):
             return OTHER_CONTEXT
-        num_tokens = batch.input_ids.shape[0]
-        decision = self.registry.lookup(batch.forward_mode, num_tokens, batch.batch_size, KeyKind.FULL, steps)
-        if self.piecewise and decision.reason in PIECEWISE_FALLBACK and steps == 1:
-            decision = self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
+        decision = self.lookup(batch.forward_mode, batch.input_ids.shape[0], batch.batch_size, steps)
         guard = decision.entry.guard if decision.reason is None else None
         if guard is not None:
             failure = guard.failure(self.watch.token(), decision.entry.stager.sources, batch, self.debug)
             if failure is not None:
                 self.on_guard_failure(failure)
                 return Decision(decision.entry, EagerReason(failure.reason))
+        return decision
+
+
+    def lookup(self, mode: ForwardMode, num_tokens: int, num_reqs: int, steps: int = 1) -> Decision:
+        """The key of a step of this size (lockstep: the agreed size): a full graph, else for a single
+        step the piecewise key of its token count; or the reason it runs eagerly. No guard is checked."""
+        decision = self.registry.lookup(mode, num_tokens, num_reqs, KeyKind.FULL, steps)
+        if self.piecewise and decision.reason in PIECEWISE_FALLBACK and steps == 1:
+            decision = self.registry.lookup(ForwardMode.EXTEND, num_tokens, PIECEWISE_REQS, KeyKind.PIECEWISE)
         return decision
 
 

@@ -33,7 +33,9 @@ from graphrt.dispatch import DecodeStager, Dispatcher, ExtendStager, static_batc
 from graphrt.entry import PIECEWISE_REQS, EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.forward_context import use_batch
 from graphrt.guards import GuardFailure, GuardSpec, StateWatch
-from graphrt.multistep import MultiStepDecoder, NextTokens, add_multistep_keys, check_call, greedy, register_step_slots
+from graphrt.multistep import (
+    MultiStepDecoder, NextTokens, add_multistep_keys, check_call, chosen_tokens, greedy, register_step_slots,
+)
 from graphrt.parallel.lockstep import SIZE_INDEPENDENT, Lockstep, StepAgreement, empty_batch, pad_forward_batch
 from graphrt.piecewise import add_piecewise_keys
 from graphrt.registry import GraphRegistry
@@ -207,9 +209,9 @@ class GraphRunner:
             self._graph_modes, self._stats, self.sampler, self.pad_values["seq_lens"])
 
     def _add_piecewise_keys(self) -> bool:
-        """Piecewise keys when splitting ops are set (single rank: lockstep steps never take them)."""
+        """Piecewise keys when splitting ops are set (in lockstep every rank takes the key of the agreed tokens)."""
         config = self.config
-        if not config.splitting_ops or self.backend_name == "eager" or self.lockstep is not None:
+        if not config.splitting_ops or self.backend_name == "eager":
             return False
         add_piecewise_keys(self.registry, self.model, config.splitting_ops, config.piecewise_sizes, self.buffers,
                            self.context, self._stats)
@@ -329,8 +331,7 @@ class GraphRunner:
         the steps one by one (``stats()["multi_step_fallbacks"]`` says why); ``batch`` is not modified.
         See graphrt/multistep."""
         if self.lockstep is not None:
-            raise ValueError("process_group: decode() runs several steps in one call; a lockstep runner "
-                             "agrees with its peers on every step: call it once per step")
+            return self._lockstep_call(batch, steps, next_tokens)
         check_call(batch, steps, next_tokens)
         with self._lock, step_lock():
             batch.validate(self.device, self.debug, self.config.check_values, self._limits, steps)
@@ -345,41 +346,90 @@ class GraphRunner:
             return self._ubatch(batch)
         return self._step(batch)
 
-    def idle_step(self) -> None:
-        """Lockstep with no work on this rank: run an all-padding step of the agreed size (no-op alone)."""
+    def idle_step(self, steps: Optional[int] = None) -> None:
+        """Lockstep with no work on this rank: run an all-padding step of the agreed size, or with ``steps``
+        take part in the peers' ``decode(batch, steps)`` launch (no-op alone)."""
         if self.lockstep is not None:
-            self._lockstep_call(None)
+            self._lockstep_call(None, steps)
 
-    def _lockstep_call(self, batch: Optional[ForwardBatch]) -> Any:
-        """Agree with the other ranks on this step's size and path, then run it (docs/DISTRIBUTED.md).
+    def _lockstep_call(self, batch: Optional[ForwardBatch], steps: Optional[int] = None,
+                       next_tokens: Optional[NextTokens] = None) -> Any:
+        """Agree with the other ranks on this step's (``steps``: this ``decode()`` launch's) size and path,
+        then run it (docs/DISTRIBUTED.md).
 
         ``None`` is an idle rank. A bad batch takes part as an idle step, so the other ranks do
         not hang, then raises.
         """
         error: Optional[Exception] = None
+        launch = steps is not None
         with self._lock, step_lock():
             try:
+                if launch and (type(steps) is not int or steps < 1):
+                    steps, launch = 1, False  # take part as one step: peers launching several raise too
+                    raise ValueError("steps: expected an int >= 1")
                 if batch is not None:
-                    if not isinstance(batch, ForwardBatch):
-                        raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-                    batch.validate(self.device, self.debug, self.config.check_values, self._limits)
-                    if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
-                        raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
+                    self._check_lockstep_call(batch, steps if launch else None, next_tokens)
             except (TypeError, ValueError) as caught:
                 error, batch = caught, None
             if batch is not None and batch.num_tokens == 0:
                 batch = None
-            local_reason = self.dispatcher.decide(batch).reason if batch is not None else None
-            local_reason = local_reason if local_reason in SIZE_INDEPENDENT else None
-            agreed = self.lockstep.agree_step(batch, local_reason is not None, self.registry.entries)
-            result = None
-            if agreed.mode is not None:
-                self._stats.record_size(agreed.mode, agreed.num_reqs)
-                work = batch if batch is not None else empty_batch(agreed.mode, self.device)
-                result = self._step(work, agreed, local_reason)
+            result = self._lockstep_launch(batch, steps, next_tokens) if launch else self._lockstep_step(batch)
         if error is not None:
             raise error
+        return result
+
+    def _check_lockstep_call(self, batch: ForwardBatch, steps: Optional[int], next_tokens: Any) -> None:
+        """The checks of ``runner(batch)`` (``steps`` None) or ``decode(batch, steps, next_tokens)``."""
+        if steps is not None:
+            check_call(batch, steps, next_tokens)
+        elif not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
+        batch.validate(self.device, self.debug, self.config.check_values, self._limits, steps or 1)
+        if batch.forward_mode is ForwardMode.IDLE and batch.batch_size:
+            raise ValueError(f"batch_size: expected 0 for an IDLE batch, got {batch.batch_size}")
+
+    def _lockstep_step(self, batch: Optional[ForwardBatch], record: bool = True) -> Any:
+        """One agreed step of a validated batch (None: idle); its real rows' outputs, None when idle.
+        ``record``: the agreed size goes to the histogram (not for a launch's steps: the launch's went)."""
+        local_reason = self.dispatcher.decide(batch).reason if batch is not None else None
+        local_reason = local_reason if local_reason in SIZE_INDEPENDENT else None
+        agreed = self.lockstep.agree_step(batch, local_reason is not None, self.registry.entries)
+        if agreed.mode is None:
+            return None
+        if record:
+            self._stats.record_size(agreed.mode, agreed.num_reqs)
+        work = batch if batch is not None else empty_batch(agreed.mode, self.device)
+        result = self._step(work, agreed, local_reason)
         return result if batch is not None else None
+
+    def _lockstep_launch(self, batch: Optional[ForwardBatch], steps: int,
+                         next_tokens: Optional[NextTokens]) -> Optional[torch.Tensor]:
+        """A ``decode()`` launch in lockstep: every rank replays the multi-step key of the agreed size, or
+        every rank runs the steps one by one, each step agreed again. Idle ranks (None) get None."""
+        fn = self.sampler if next_tokens is None else next_tokens
+        if steps == 1:  # a single step: the runner's own path, then next_tokens
+            output = self._lockstep_step(batch)
+            return None if batch is None else chosen_tokens(fn(output, 0), batch.batch_size).unsqueeze(0)
+        local_reason = self._decoder.unavailable_for(steps, fn)
+        if local_reason is None and batch is not None:
+            reason = self.dispatcher.decide(batch, steps).reason
+            local_reason = reason if reason in SIZE_INDEPENDENT else None
+        agreed = self.lockstep.agree_step(batch, local_reason is not None, self.registry.entries, steps)
+        if agreed.mode is None:
+            return None
+        self._stats.record_size(agreed.mode, agreed.num_reqs)
+        decision = agreed.decide(lambda mode, tokens, reqs: self.dispatcher.lookup(mode, tokens, reqs, steps),
+                                 local_reason)
+        if decision.reason is not None and batch is None:
+            for _ in range(steps):  # the peers' steps, one by one
+                self._lockstep_step(None, record=False)
+            return None
+        work = batch if batch is not None else empty_batch(agreed.mode, self.device)
+        if decision.reason is None:
+            self._check_cut(decision.entry, work)
+        tokens = self._decoder.run_decided(work, steps, fn, decision,
+                                           lambda step: self._lockstep_step(step, record=False))
+        return tokens if batch is not None else None
 
     def _step(
         self, batch: ForwardBatch, agreed: Optional[StepAgreement] = None, local_reason: Optional[EagerReason] = None
@@ -395,7 +445,7 @@ class GraphRunner:
                 decision = self.dispatcher.decide(batch)
                 run_eager = self._run_eager
             else:
-                decision = agreed.decide(self.registry.lookup, local_reason)
+                decision = agreed.decide(self.dispatcher.lookup, local_reason)
                 run_eager = None
                 if decision.reason is None:
                     self._check_cut(decision.entry, batch)
@@ -407,7 +457,8 @@ class GraphRunner:
 
     def _check_cut(self, entry: GraphEntry, batch: ForwardBatch) -> None:
         """Lockstep replays at the agreed size: the real rows of this rank must be cuttable."""
-        reason = self.registry.prepare_cut(entry, batch.num_tokens, batch.batch_size)
+        num_reqs = batch.batch_size if entry.key.kind is KeyKind.FULL else PIECEWISE_REQS
+        reason = self.registry.prepare_cut(entry, batch.num_tokens, num_reqs)
         if reason is not None:
             raise ValueError(f"graph {entry.key}: its outputs cannot be cut to {batch.num_tokens} real rows "
                              f"({reason.value}); capture at least two sizes per mode")

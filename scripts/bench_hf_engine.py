@@ -102,14 +102,26 @@ def kv_line(engine: graphrt.hf.HFEngine) -> str:
             f"KV buffers {kv['pool_bytes'] / 2**20:.2f} MiB")
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Time every path on one model and print a Markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The model and prompts options the engine benches share."""
     parser.add_argument("--family", default="llama")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (intermediate 2x, 4 layers)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-requests", type=int, default=4)
+
+
+def workload(family: str, hidden: int, prompts: int, device: str) -> Tuple[torch.nn.Module, List[List[int]]]:
+    """The benches' model (random weights, 4 layers, ``hidden`` wide) and their prompts of 4 to 32 tokens."""
+    model = tiny_model(family, device, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                       head_dim=hidden // 4)
+    return model, ragged_prompts([4 + (7 * index) % 29 for index in range(prompts)])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Time every path on one model and print a Markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_options(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--contexts", default="1024,4096,16384", help="max_context values of the decode-step table")
@@ -119,9 +131,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
-    model = tiny_model(args.family, args.device, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                       num_hidden_layers=4, head_dim=args.hidden // 4)
-    prompts = ragged_prompts([4 + (7 * index) % 29 for index in range(args.prompts)])
+    model, prompts = workload(args.family, args.hidden, args.prompts, args.device)
     expected = generate_alone(model, prompts, args.new_tokens)
     engine = graphrt.hf.engine_model(model, max_requests=args.max_requests, max_context=64, max_step_tokens=32)
     paths: Dict[str, Optional[Run]] = {

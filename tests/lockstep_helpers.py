@@ -146,16 +146,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_REPORT: Dict[str, Any] = {}  # in a rank: where report_now() sends its result
+
+
+def report_now(result: Any) -> None:
+    """Send this rank's result to the parent now, flushed: a rank about to die by design reports first."""
+    outbox = _REPORT["outbox"]
+    outbox.put((_REPORT["rank"], "ok", result))
+    outbox.close()
+    outbox.join_thread()
+    _REPORT["sent"] = True
+
+
 def _rank_main(rank: int, world_size: int, backend: str, port: int, timeout_s: float, outbox: Any,
                target: Callable[..., Any], args: tuple) -> None:
     """One rank: join the group, run ``target(rank, *args)``, report its result or traceback."""
+    _REPORT.update(outbox=outbox, rank=rank, sent=False)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result = target(rank, *args)
-        outbox.put((rank, "ok", result))
+        if not _REPORT["sent"]:
+            outbox.put((rank, "ok", result))
         dist.destroy_process_group()
     except BaseException:  # report to the parent instead of dying silently
         outbox.put((rank, "error", traceback.format_exc()))
@@ -200,3 +214,102 @@ def run_ranks(target: Callable[..., Any], *args: Any, world_size: int = WORLD_SI
     assert not alive, "a rank was still alive after the run"
     assert all(process.exitcode == 0 for process in processes)
     return reports
+
+
+class SplitAllReduceModel(AllReduceModel):
+    """Token rows only (any mode): all-reduced, doubled by a splitting op (run eagerly between the pieces
+    of a piecewise graph), all-reduced again: each piece holds a collective."""
+
+    def forward(self, input_ids, positions, forward_batch):
+        self.calls.append(input_ids.shape[0])
+        hidden = self.embed[input_ids] + self.pos[positions]
+        dist.all_reduce(hidden)
+        hidden = torch.ops.graphrt_test.double_rows(hidden)
+        dist.all_reduce(hidden)
+        return hidden @ self.proj
+
+
+def two_request_extend(seed: int):
+    """Two requests extending by 3 and 2 tokens (prefixes of 4 and 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths, prefixes = [3, 2], [4, 0]
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefixes, lengths)])
+    seq_lens = torch.tensor([p + n for p, n in zip(prefixes, lengths)], dtype=torch.int32)
+    return decode_batch(2, seed=seed, forward_mode=ForwardMode.EXTEND, extend_num_tokens=5,
+                        input_ids=torch.randint(1, 97, (5,), generator=generator), positions=positions,
+                        out_cache_loc=torch.arange(10, 15), seq_lens=seq_lens, seq_lens_sum=int(seq_lens.sum()),
+                        extend_seq_lens=torch.tensor(lengths, dtype=torch.int32),
+                        extend_prefix_lens=torch.tensor(prefixes, dtype=torch.int32),
+                        extend_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                        extend_seq_lens_cpu=lengths, extend_prefix_lens_cpu=prefixes)
+
+
+def launch_batch(rows: int, steps: int, seed: int):
+    """A decode batch of ``rows`` requests with the slots of ``steps`` steps (step-major)."""
+    batch = decode_batch(rows, seed=seed)
+    batch.out_cache_loc = torch.arange(1, 1 + rows * steps)
+    return batch
+
+
+def eager_launch(model, batch, rows: int, steps: int, pad_values, graphed: bool):
+    """``steps`` greedy decode steps of ``batch`` (None: idle) at ``rows`` rows, run eagerly by every rank at
+    once (the model all-reduces): padded once and advanced as one multi-step graph advances its padding rows
+    (``graphed``), or each step padded afresh as single steps are. The real rows' tokens, [steps, real rows]."""
+    import dataclasses
+
+    from graphrt.multistep import batch_at_step, greedy
+
+    real = batch if batch is not None else empty_batch(ForwardMode.DECODE, torch.device("cpu"))
+    slots = real.out_cache_loc.view(steps, real.batch_size)
+    if graphed:
+        real = pad_forward_batch(dataclasses.replace(real, out_cache_loc=slots[0]), rows, rows, pad_values)
+        slots = torch.zeros((steps, rows), dtype=torch.int64)
+    tokens, ids = [], real.input_ids
+    for step in range(steps):
+        current = batch_at_step(real, step, ids, slots[step])
+        padded = current if graphed else pad_forward_batch(current, rows, rows, pad_values)
+        ids = greedy(model(padded.input_ids, padded.positions, padded), step)[:current.batch_size]
+        tokens.append(ids)
+    return torch.stack(tokens)[:, :(batch.batch_size if batch is not None else 0)]
+
+
+def run_launches_and_piecewise(rank: int) -> dict:
+    """Multi-step launches and piecewise steps in lockstep, ranks with different work: every rank replays
+    the key of the agreed size (an idle rank an all-padding one), or all run the steps one by one; each
+    rank's rows equal the same steps run eagerly at the agreed size. Ranks making different calls raise."""
+    import piecewise_helpers  # noqa: F401  (registers graphrt_test::double_rows)
+
+    from graphrt import GraphRunner
+
+    model = SplitAllReduceModel()
+    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[1, 2, 4], decode_steps=(2,), backend="emulated",
+                         modes=(ForwardMode.DECODE, ForwardMode.EXTEND), extend_capture_sizes=([8], [1]),
+                         splitting_ops=["graphrt_test::double_rows"], piecewise_sizes=[4, 8], progress=False,
+                         process_group=dist.group.WORLD)
+    assert not runner.capture().failed
+    seen = {}
+    for name, rows, steps in (("launch", (3, 0), 2), ("fallback", (1, 2), 3)):
+        mine = launch_batch(rows[rank], steps, seed=rank) if rows[rank] else None
+        model.calls.clear()
+        tokens = runner.decode(mine, steps) if mine is not None else runner.idle_step(steps)
+        calls = list(model.calls)
+        graphed = name == "launch"  # one multi-step replay at bs=4, else single steps at the agreed 2
+        expected = eager_launch(model, mine, 4 if graphed else max(rows), steps, runner.pad_values, graphed)
+        seen[name] = (calls, tokens is None if mine is None else torch.equal(tokens, expected))
+    batch = two_request_extend(seed=7) if rank == 0 else None
+    model.calls.clear()
+    out = runner(batch) if batch is not None else runner.idle_step()
+    calls = list(model.calls)
+    padded = pad_forward_batch(batch if batch is not None else empty_batch(ForwardMode.EXTEND, torch.device("cpu")),
+                               8, 2, runner.pad_values)
+    expected = model(padded.input_ids, padded.positions, padded)
+    seen["piecewise"] = (calls, out is None if batch is None else torch.equal(out, expected[:5]))
+    try:
+        runner.decode(launch_batch(2, 2, seed=rank), 2) if rank == 0 else runner(decode_batch(2, seed=rank))
+        seen["disagree"] = None
+    except ValueError as error:
+        seen["disagree"] = str(error)
+    stats = runner.stats()
+    seen["stats"] = {name: stats[name] for name in ("multi_step_runs", "piecewise_runs", "multi_step_fallbacks")}
+    seen["histogram"] = stats["histogram"]
+    return seen

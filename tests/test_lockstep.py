@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import decode_batch
-from lockstep_helpers import CAPTURE_SIZES, SCHEDULE, AllReduceModel, extend_batch, run_ranks, run_schedule
+from lockstep_helpers import (
+    CAPTURE_SIZES, SCHEDULE, AllReduceModel, extend_batch, run_launches_and_piecewise, run_ranks, run_schedule,
+)
 
 from graphrt import ForwardMode, GraphRunner
 from graphrt.parallel.lockstep import empty_batch, pad_forward_batch
@@ -29,12 +31,17 @@ def worker(rank: int) -> dict:
     runner.retune(max_graphs=2)  # the agreed histograms are equal on both ranks
     tuned = runner.capture_sizes
     run_schedule(runner, model, rank, RETUNED_SCHEDULE, tuned, steps)
-    return dict(stats=first, tuned=tuned, steps=steps, final=runner.stats())
+    return dict(stats=first, tuned=tuned, steps=steps, final=runner.stats(), launches=run_launches_and_piecewise(rank))
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    """Both ranks' reports of one spawned pair (the two lockstep tests below read them)."""
+    return run_ranks(worker, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_gloo_ranks_run_every_step_in_lockstep():
-    reports = run_ranks(worker, timeout_s=TIMEOUT_S)
+def test_two_gloo_ranks_run_every_step_in_lockstep(reports):
     zero, one = reports[0], reports[1]
     assert zero["steps"] == one["steps"], "ranks disagreed on graph-or-eager"
     stats = zero["stats"], one["stats"]
@@ -74,3 +81,21 @@ def test_pad_forward_batch_extend_padding_requests_start_after_the_real_tokens()
     assert padded.extend_prefix_lens_cpu == [0, 0, 0, 0]
     idle = pad_forward_batch(empty_batch(ForwardMode.EXTEND, torch.device("cpu")), 4, 2, pad_values)
     assert idle.input_ids.tolist() == [0, 0, 0, 0] and idle.extend_start_loc.tolist() == [0, 0]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_launches_and_piecewise_steps_in_lockstep_with_different_work_per_rank(reports):
+    zero, one = reports[0]["launches"], reports[1]["launches"]
+    # Rank 0 launches 2 steps of 3 rows, rank 1 is idle: both replay decode/bs=4,steps=2 (no Python runs).
+    assert zero["launch"] == ([], True) and one["launch"] == ([], True)
+    # 3 steps were not captured: each step agreed and replayed one by one (single-step keys, no Python).
+    assert zero["fallback"] == ([], True) and one["fallback"] == ([], True)
+    # Rank 0 prefills 5 tokens of 2 requests, rank 1 is idle: both replay piecewise/tokens=8, the splitting op
+    # (no Python of the model runs; the op itself runs eagerly between the pieces, on each rank's live batch).
+    assert zero["piecewise"] == ([], True) and one["piecewise"] == ([], True)
+    for launches in (zero, one):
+        assert "steps: ranks disagree (1 and 2 decode steps" in launches["disagree"]
+        assert launches["stats"] == {"multi_step_runs": 1, "piecewise_runs": 1,
+                                     "multi_step_fallbacks": {"steps_not_captured": 1}}
+        # Each launch counts once at its agreed rows, also when its steps ran one by one.
+        assert launches["histogram"] == {"DECODE": {3: 1, 2: 1}, "EXTEND": {2: 1}}

@@ -61,7 +61,6 @@ def test_the_api_keys_stats_and_shapes():
 @pytest.mark.parametrize("options, error, field", [
     ({"decode_steps": (1, 4)}, ValueError, "decode_steps"),
     ({"decode_steps": "4"}, ValueError, "decode_steps"),
-    ({"decode_steps": (4,), "process_group": object()}, ValueError, "decode_steps"),
     ({"next_tokens": 3}, TypeError, "next_tokens"),
 ])
 def test_bad_options_name_the_option(options, error, field):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from graphrt.backends.source_lines import SourceLine, model_source_line
@@ -56,6 +56,15 @@ Locator = Tuple[Callable[..., Any], Callable[..., Any], Tuple[Any, ...]]
 def op_base_name(func: Any) -> str:
     """``index_put_`` for ``aten::index_put_`` (overload dropped)."""
     return func._schema.name.split("::")[-1]
+
+
+def backing_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose memory ``tensor`` is: itself, or for a wrapper subclass that holds one
+    (a DTensor parameter of a tensor-parallel model: its local shard) the tensor it wraps."""
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor
 
 
 def storage_key(tensor: torch.Tensor) -> Tuple[torch.device, int]:

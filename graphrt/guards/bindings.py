@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 
 import torch
 
+from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import watch, watch_class
 from graphrt.guards.live_checks import Same
 
@@ -98,7 +99,7 @@ def rebound(path: str, then: Any, now: Any) -> Tuple[str, str]:
 
 
 def _address(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    return backing_tensor(tensor).untyped_storage().data_ptr()
 
 
 def _where(tensor: torch.Tensor) -> Tuple[int, torch.dtype, torch.device]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequenc
 
 import torch
 
+from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.bindings import Bindings, find_bindings
 from graphrt.guards.epoch import EPOCH, watch_class
@@ -80,8 +81,9 @@ class GuardSpec:
 
 
 def memory_of(tensor: torch.Tensor) -> int:
-    """The address of a tensor's allocation (its storage): views of one allocation share it."""
-    return tensor.untyped_storage().data_ptr()
+    """The address of a tensor's allocation (its storage): views of one allocation share it; a DTensor
+    parameter's is its local shard's."""
+    return backing_tensor(tensor).untyped_storage().data_ptr()
 
 
 @dataclass(eq=False)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import watch
 from graphrt.layout.tensor_tree import is_plain_constant
 
@@ -65,7 +66,7 @@ def _tensor_state(tensor: Optional[torch.Tensor], keep: List[Any]) -> Hashable:
         return None
     keep.append(tensor)
     try:
-        address = tensor.data_ptr()
+        address = backing_tensor(tensor).data_ptr()
     except RuntimeError:  # no storage (a meta or fake tensor)
         address = None
     return id(tensor), address, tensor.dtype, tensor.device

@@ -20,18 +20,20 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, fields
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from graphrt.batch import ForwardBatch
 from graphrt.config import RunnerConfig
 from graphrt.hf.engine_probe import plan_layout, probe_layers, refusal
+from graphrt.hf.engine_ranks import EngineRanks
 from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention
 from graphrt.hf.request_sampling import GenerationRules, RequestTokens
 from graphrt.hf.serve import Request, ServeConfig, ServeCounts, held_rows, serve
+from graphrt.hf.tensor_parallel import shard_model
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.reference import CachePools, ReqToTokenPool, make_decode_batch, make_extend_batch
 
@@ -60,7 +62,7 @@ class HFEngine:
     ``engine_model``."""
 
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
-                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any]) -> None:
+                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0) -> None:
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             if type(value) is not int or value < 1:
@@ -69,6 +71,11 @@ class HFEngine:
         if reason is not None:
             raise ValueError(f"model: {reason}")
         _refuse_training(model)
+        self.ranks: Optional[EngineRanks] = None
+        if runner_options.get("process_group") is not None:  # tensor parallel: shard, then probe the shard
+            self.ranks = EngineRanks.create(runner_options["process_group"], runner_options.get("cpu_group"), timeout_s)
+            runner_options = {**runner_options, "cpu_group": self.ranks.cpu_group}
+            shard_model(model, self.ranks.group)
         register_paged_attention()
         slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
         probed = probe_layers(model, lambda name: attention_implementation(model.config, name))
@@ -115,40 +122,52 @@ class HFEngine:
         none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
         Calls from several threads run one at a time."""
-        with self._lock:
+        def prepare() -> Tuple[Tuple[List[Request], ServeConfig], Any]:
             _refuse_training(self.model)
-            prompts = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
-            arrivals = self._checked(prompts, max_new_tokens, arrivals, steps_per_launch, sampling)
+            checked = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
+            arrived = self._checked(checked, max_new_tokens, arrivals, steps_per_launch, sampling)
             eos = self._eos_ids(eos_token_id)
-            stops = self._stops(stop_token_ids, len(prompts))
-            if generation_config == "model":
-                generation_config = getattr(self.model, "generation_config", None)
-            rules = GenerationRules.from_config(generation_config, eos, max_new_tokens, self.device)
+            stops = self._stops(stop_token_ids, len(checked))
+            config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
+                else generation_config
+            rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.device)
             if steps_per_launch > 1 and rules.names:
                 raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
                                  f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
                                  f"(or generation_config=None)")
-            requests = [Request(index, arrivals[index], self._request_tokens(prompt, index, rules, sampling, seed),
-                                frozenset(eos) | stops[index]) for index, prompt in enumerate(prompts)]
+            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rules, sampling, seed),
+                                frozenset(eos) | stops[index]) for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
                                  steps_per_launch=steps_per_launch)
+            sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
+            named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
+                     graphs, seed, sampled, repr(config_used))
+            return (requests, config), named
+
+        with self._lock:
+            requests, config = self._agreed("generate", prepare)
             counts = ServeCounts()
             with self._call(counts):
                 step, launch = self._step_functions(graphs, steps_per_launch)
                 with torch.no_grad():
-                    return serve(self.pools, step, launch, requests, config, counts)
+                    return serve(self.pools, step, launch, requests, config, counts,
+                                 None if self.ranks is None else self.ranks.share_tokens)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
         """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
         the last tokens in packed prefill steps of at most ``max_step_tokens`` tokens (piecewise graphs),
         the last tokens in one decode step (full graphs). For checking the engine against the model;
         prompts of at least 2 tokens, at most ``max_requests`` of them."""
-        with self._lock:
+        def prepare() -> Tuple[List[List[int]], Any]:
             if not prompts or len(prompts) > self.max_requests or not all(len(prompt) >= 2 for prompt in prompts):
                 raise ValueError(f"prompts: expected 1 to {self.max_requests} prompts of at least 2 tokens each")
-            prompts = [list(prompt) for prompt in prompts]
-            self._check_tokens(prompts)
+            checked = [list(prompt) for prompt in prompts]
+            self._check_tokens(checked)
+            return checked, (checked, graphs)
+
+        with self._lock:
+            prompts = self._agreed("prompt_logits", prepare)
             pools, device = self.pools, self.device
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
             with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad():
@@ -183,7 +202,7 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches)."""
+        ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
         with self._lock:
             if not self._stats:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -205,6 +224,20 @@ class HFEngine:
 
     # ---- one call ---------------------------------------------------------------------------------
 
+    def _agreed(self, call: str, prepare: Callable[[], Tuple[Any, Any]]) -> Any:
+        """The checked inputs ``prepare()`` returns beside what names the call's arguments; in tensor
+        parallel, every rank's refusal and arguments are agreed on first (``EngineRanks.agree_call``: a
+        call one rank refuses is refused on every rank, before any step)."""
+        if self.ranks is None:
+            return prepare()[0]
+        checked, arguments, error = None, None, None
+        try:
+            checked, arguments = prepare()
+        except (TypeError, ValueError) as caught:
+            error = caught
+        self.ranks.agree_call(call, error, arguments)
+        return checked
+
     @contextmanager
     def _call(self, counts: ServeCounts) -> Iterator[None]:
         """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
@@ -216,6 +249,7 @@ class HFEngine:
         finally:
             seconds = time.perf_counter() - start
             self._stats = {**self.runners.call_stats(before),
+                           "ranks": 1 if self.ranks is None else self.ranks.world_size,
                            "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner,
                                      "decode_runner_seconds": self._in_decode}}
 
@@ -339,19 +373,25 @@ def _refuse_training(model: Any) -> None:
 
 
 def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_step_tokens: int = 64,
-                 kv_slots: Optional[int] = None, backend: str = "auto", **runner_options: Any) -> HFEngine:
+                 kv_slots: Optional[int] = None, backend: str = "auto", timeout_s: float = 600.0,
+                 **runner_options: Any) -> HFEngine:
     """The engine of a transformers causal LM: its modules and weights, its attention replaced by graphrt's
     paged attention over KV pools for ``max_requests`` requests of up to ``max_context`` tokens, and
     ``max_step_tokens`` tokens per step (the chunk budget of prefill): ``kv_slots`` slots for its
     full-attention layers (default: every request at full context), a ring of a window plus a step per
     request for its sliding-window layers, none for KV-shared layers. ``runner_options`` (RunnerConfig
     fields: ``capture_sizes``, ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for
-    its runners. ValueError names why a model cannot be served (no modeling-backend contract, layers that
-    are not attention, a mask that says more than causal attention in a window, train mode)."""
+    its runners. With ``process_group`` (tensor parallel; every rank of the group calls it on the same
+    unsharded model, then makes the same calls) the model is sharded in place by its tensor-parallel plan
+    (graphrt.hf.tensor_parallel), every step runs in lockstep and every rank returns rank 0's tokens; the
+    ranks' agreements run on ``cpu_group``, or a gloo group created over the ranks whose collectives give
+    up after ``timeout_s`` seconds (docs/DISTRIBUTED.md). ValueError names why a model cannot be served (no
+    modeling-backend contract, layers that are not attention, a mask that says more than causal attention
+    in a window, train mode, a plan graphrt cannot run, heads the ranks do not divide)."""
     unknown = set(runner_options) - {field.name for field in fields(RunnerConfig)}
     if unknown:
         raise TypeError(f"runner_options: expected RunnerConfig fields, got {sorted(unknown)}")
-    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options)
+    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options, timeout_s)
 
 
 __all__ = ["HFEngine", "attention_implementation", "engine_model", "refusal"]

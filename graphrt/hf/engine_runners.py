@@ -124,8 +124,9 @@ class EngineRunners:
 
     def after_eager_step(self, key: RunnerKey, runner: GraphRunner) -> None:
         """A step of ``key``'s runner ran the model eagerly: if a replay fault disabled one of its keys, that
-        key is captured again before the next step (once per key)."""
-        if key.width and any(entry.status is GraphStatus.DISABLED for entry in runner.registry.entries.values()):
+        key is captured again before the next step (once per key). Not in lockstep: a replay that raises
+        there has raised on its rank alone, and a capture is collective."""
+        if key.width and runner.lockstep is None and any(entry.status is GraphStatus.DISABLED for entry in runner.registry.entries.values()):
             self._faulted = (key, runner)
 
     def _retry(self, key: RunnerKey, runner: GraphRunner) -> None:

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 StepFn = Callable[[ForwardBatch], Tuple[torch.Tensor, int]]
 # (decode batch, steps) -> (greedy tokens [steps, rows], how many of those steps ran the model eagerly)
 LaunchFn = Callable[[ForwardBatch, int], Tuple[torch.Tensor, int]]
+# the tokens a step chose (flat) -> the tokens to go on with (tensor parallel: rank 0's, on every rank)
+ShareFn = Callable[[List[int]], List[int]]
 
 
 @dataclass
@@ -89,11 +91,12 @@ class ServeCounts:
 
 
 def serve(pools: CachePools, step: StepFn, launch: Optional[LaunchFn], requests: Sequence[Request],
-          config: ServeConfig, counts: ServeCounts) -> List[List[int]]:
+          config: ServeConfig, counts: ServeCounts, share: Optional[ShareFn] = None) -> List[List[int]]:
     """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
     counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did).
     ``launch`` runs several greedy decode steps (``GraphRunner.decode``), used when ``steps_per_launch``
-    > 1. Every request row and KV slot taken is released on return, an exception or interrupt included."""
+    > 1. ``share``: the tokens each step chose, made the tokens every rank goes on with (tensor parallel:
+    rank 0's). Every request row and KV slot taken is released on return, an exception or interrupt included."""
     device = pools.req_to_token.device
     waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
     running: List[Request] = []
@@ -115,9 +118,9 @@ def serve(pools: CachePools, step: StepFn, launch: Optional[LaunchFn], requests:
             counts.max_running = max(counts.max_running, len(running))
             decodes = [request for request in running if not request.prefilling]
             if len(decodes) == len(running) and config.steps_per_launch > 1 and launch is not None:
-                _launch(pools, launch, decodes, config, counts, device)
+                _launch(pools, launch, decodes, config, counts, device, share)
             else:
-                _step(pools, step, running, decodes, config, counts, device)
+                _step(pools, step, running, decodes, config, counts, device, share)
             for request in [request for request in running if _finished(request, config)]:
                 running.remove(request)
                 _release(pools, request)
@@ -171,7 +174,7 @@ def _finished(request: Request, config: ServeConfig) -> bool:
 
 
 def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List[Request], config: ServeConfig,
-          counts: ServeCounts, device: torch.device) -> None:
+          counts: ServeCounts, device: torch.device, share: Optional[ShareFn]) -> None:
     """One step through ``step``: the running decodes first, then prefill chunks within the token budget."""
     chunks = [(request, [request.output[-1]]) for request in decodes]
     room = config.max_step_tokens - len(chunks)
@@ -210,12 +213,14 @@ def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List
         return
     rows_logits = logits[torch.tensor(last_rows, device=logits.device)]
     tokens = choose_tokens(rows_logits, [request.tokens for request in sampled])
+    if share is not None:
+        tokens = share(tokens)
     for request, token in zip(sampled, tokens):
         request.output.append(token)
 
 
 def _launch(pools: CachePools, launch: LaunchFn, decodes: List[Request], config: ServeConfig, counts: ServeCounts,
-            device: torch.device) -> None:
+            device: torch.device, share: Optional[ShareFn]) -> None:
     """Several greedy decode steps in one ``launch``: every step's slots mapped ahead in the request table
     (step-major), tokens past a request's stop dropped (their slots stay the request's until release)."""
     steps = min(config.steps_per_launch, *(config.max_context - request.cached for request in decodes))
@@ -226,7 +231,10 @@ def _launch(pools: CachePools, launch: LaunchFn, decodes: List[Request], config:
     batch = make_decode_batch([request.output[-1] for request in decodes], rows, [start + 1 for start in starts],
                               step_major, device, pools=pools)
     chosen_tokens, eager = launch(batch, steps)
-    tokens = chosen_tokens.t().tolist()  # [rows, steps]
+    chosen = chosen_tokens.t().reshape(-1).tolist()  # row-major: each request's steps in turn
+    if share is not None:
+        chosen = share(chosen)
+    tokens = [chosen[row * steps: (row + 1) * steps] for row in range(len(decodes))]
     counts.multi_step_launches += 1
     counts.decode_steps += steps
     counts.decode_steps_graphed += steps - eager

@@ -8,7 +8,7 @@ by one, counted with the reason).
 
 from graphrt.multistep.decode import MultiStepDecoder, MultiStepReason, check_call, unavailable_reason
 from graphrt.multistep.keys import add_multistep_keys, register_step_slots, step_slot
-from graphrt.multistep.steps import NextTokens, batch_at_step, greedy, run_steps
+from graphrt.multistep.steps import NextTokens, batch_at_step, chosen_tokens, greedy, run_steps
 
 __all__ = [
     "MultiStepDecoder",
@@ -17,6 +17,7 @@ __all__ = [
     "add_multistep_keys",
     "batch_at_step",
     "check_call",
+    "chosen_tokens",
     "greedy",
     "register_step_slots",
     "run_steps",

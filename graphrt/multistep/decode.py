@@ -21,7 +21,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.dispatch import Dispatcher
 from graphrt.entry import EagerReason, replay_or_eager
 from graphrt.multistep.steps import NextTokens, chosen_tokens, run_steps
-from graphrt.registry import GraphRegistry
+from graphrt.registry import Decision, GraphRegistry
 from graphrt.stats import RuntimeStats
 
 
@@ -105,6 +105,23 @@ class MultiStepDecoder:
         if reason is EagerReason.AXIS_PROBE:  # the tokens' shape shows the key's batch axis
             self.registry.observe_eager(entry.key, rows, rows, tokens)
         return tokens
+
+    def run_decided(self, batch: ForwardBatch, steps: int, next_tokens: NextTokens, decision: Decision,
+                    one_step: Callable[[ForwardBatch], Any]) -> torch.Tensor:
+        """A validated call whose key the ranks agreed on (lockstep): its multi-step replay (a replay that
+        raises disables the key and raises: the peers replayed), else its steps one by one through
+        ``one_step`` (each step agreed again), counted with the reason."""
+        entry, reason = decision
+        rows = batch.batch_size
+        if reason is None:
+            return replay_or_eager(entry, batch, rows, rows, None, batch, steps, next_tokens)
+        self.stats.record_multi_step_fallback(reason.value)
+        return run_steps(one_step, batch, steps, next_tokens)
+
+    def unavailable_for(self, steps: int, next_tokens: NextTokens) -> Optional[Reason]:
+        """Why a launch of ``steps`` steps choosing tokens with ``next_tokens`` takes no multi-step key
+        whatever its size, or None."""
+        return self._unavailable(steps, next_tokens)
 
     def _unavailable(self, steps: int, next_tokens: NextTokens) -> Optional[Reason]:
         if steps not in self.decode_steps:

@@ -13,14 +13,20 @@ the previous replay. At capture, the ranks agree after each phase of each key
 (``Lockstep.agree_capture``), so a key that fails on one rank fails on every rank and no rank runs
 the collectives of a phase the others skip.
 
-Tensor layout: ``[tokens, requests, must_eager, mode, -mode, not_ready(key) for each key]``.
-An idle rank sends mode 0 and ``-mode`` = ``NO_MODE``, so after the MAX ``mode`` is the largest
+Tensor layout: ``[tokens, requests, must_eager, mode, -mode, steps, -steps, not_ready(key) for each
+key]``. An idle rank sends mode 0 and ``-mode`` = ``NO_MODE``, so after the MAX ``mode`` is the largest
 and ``-(-mode)`` the smallest mode among working ranks: they differ only if working ranks disagree.
+``steps`` is the call's decode steps (1 for a single step, ``K`` for ``decode(batch, K)`` or
+``idle_step(K)``), sent by idle ranks too: ranks making different calls disagree on it and raise.
+
+A collective of an agreement that fails (a peer died, or did not reach it within the group's
+timeout) raises ``PeerLostError`` naming the rank and the agreement, instead of the backend's words only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import zlib
 from dataclasses import dataclass
@@ -36,7 +42,7 @@ from graphrt.registry import Decision
 
 logger = logging.getLogger(__name__)
 
-HEADER = 5  # tokens, requests, must_eager, mode, -mode
+HEADER = 7  # tokens, requests, must_eager, mode, -mode, steps, -steps
 NO_MODE = -(1 << 30)
 TOKEN_PADDED = tuple(spec.name for spec in TOKEN_FIELDS)
 REQUEST_PADDED = tuple(spec.name for spec in REQUEST_FIELDS)
@@ -45,7 +51,8 @@ SIZE_INDEPENDENT = frozenset({
     EagerReason.GRAPHS_DISABLED, EagerReason.UNSUPPORTED_FIELD,
     EagerReason.CONTEXT_MISMATCH, EagerReason.MODE_NOT_CAPTURED,
     # Guards: this rank's call differs from the state its keys were captured under, whatever the size.
-    EagerReason.AUTOCAST, EagerReason.TRAINING, EagerReason.REBOUND_STATE, EagerReason.ALIASED_INPUTS,
+    EagerReason.AUTOCAST, EagerReason.TRAINING, EagerReason.PYTHON_STATE, EagerReason.HOOKS,
+    EagerReason.MODULE_MOVED, EagerReason.REBOUND_STATE, EagerReason.ALIASED_INPUTS,
 })
 
 
@@ -118,6 +125,7 @@ class StepAgreement:
     num_reqs: int
     any_eager: bool  # some rank must run eagerly whatever the size
     unready: FrozenSet[GraphKey]  # keys not replayable on some rank
+    steps: int = 1  # decode steps of the call (decode() launches: more than one)
 
     def decide(
         self, lookup: Callable[[ForwardMode, int, int], Decision], local_reason: Optional[EagerReason]
@@ -135,9 +143,14 @@ class PeerCaptureError(RuntimeError):
     """A phase of a key's capture failed on another rank, so the key fails here too."""
 
 
-def agreement_group(group: Any, cpu_group: Optional[Any] = None) -> Any:
+class PeerLostError(RuntimeError):
+    """An agreement's collective failed: a peer died, or did not reach it within the group's timeout."""
+
+
+def agreement_group(group: Any, cpu_group: Optional[Any] = None, timeout: Optional[datetime.timedelta] = None) -> Any:
     """The gloo group the ranks of ``group`` agree on: ``cpu_group`` if given (same ranks, not
-    NCCL), ``group`` itself if it is gloo, else a new gloo group over ``group``'s ranks.
+    NCCL), ``group`` itself if it is gloo, else a new gloo group over ``group``'s ranks (its collectives
+    give up after ``timeout``; default: torch's for gloo, 30 minutes).
 
     Creating a group is collective: every rank of ``group`` must reach this call (build its
     runner) at the same point, after creating the same groups before it.
@@ -155,7 +168,7 @@ def agreement_group(group: Any, cpu_group: Optional[Any] = None) -> Any:
     if dist.get_backend(group) == "gloo":
         return group
     # Only the members call new_group (non-members of a data-parallel subgroup build no runner here).
-    created = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    created = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
     logger.info("lockstep: created a gloo group over ranks %s for the per-step agreement", ranks)
     return created
 
@@ -207,28 +220,47 @@ class Lockstep:
         self._values = self._host.numpy()
 
     def agree_step(
-        self, batch: Optional[ForwardBatch], must_eager: bool, entries: Mapping[GraphKey, GraphEntry]
+        self, batch: Optional[ForwardBatch], must_eager: bool, entries: Mapping[GraphKey, GraphEntry],
+        steps: int = 1,
     ) -> StepAgreement:
-        """The one collective of a step: all-reduce MAX, on the CPU group, of sizes, mode, eager flag
-        and key readiness. No device tensor, no copy, no wait for the device."""
+        """The one collective of a step (or of a ``decode()`` launch of ``steps`` steps): all-reduce MAX,
+        on the CPU group, of sizes, mode, eager flag, steps and key readiness. No device tensor, no
+        copy, no wait for the device."""
         values = self._values
         if batch is None:
-            values[:HEADER] = (0, 0, 0, 0, NO_MODE)
+            values[:HEADER] = (0, 0, 0, 0, NO_MODE, steps, -steps)
         else:
             mode = int(batch.forward_mode)
-            values[:HEADER] = (batch.num_tokens, batch.batch_size, int(must_eager), mode, -mode)
+            values[:HEADER] = (batch.num_tokens, batch.batch_size, int(must_eager), mode, -mode, steps, -steps)
         values[HEADER:] = [entries[key].status is not GraphStatus.READY for key in self._keys]
-        dist.all_reduce(self._host, op=dist.ReduceOp.MAX, group=self.cpu_group)
-        num_tokens, num_reqs, any_eager, high, low = (int(value) for value in values[:HEADER])
+        self._all_reduce(self._host, "the step agreement")
+        num_tokens, num_reqs, any_eager, high, low, most, fewest = (int(value) for value in values[:HEADER])
+        if most != -fewest:
+            raise ValueError(f"steps: ranks disagree ({-fewest} and {most} decode steps in one call); in lockstep every "
+                             "rank makes the same call: runner(batch) or idle_step() for one step, "
+                             "decode(batch, steps) or idle_step(steps) for a launch")
         if high == 0:
-            return StepAgreement(None, 0, 0, False, frozenset())
+            return StepAgreement(None, 0, 0, False, frozenset(), steps)
         if high != -low:
             raise ValueError(
                 f"forward_mode: ranks disagree ({ForwardMode(-low).name} and {ForwardMode(high).name}); "
                 "in lockstep every rank with work must run the same mode"
             )
         unready = frozenset(self._keys[i] for i in np.flatnonzero(values[HEADER:]))
-        return StepAgreement(ForwardMode(high), num_tokens, num_reqs, bool(any_eager), unready)
+        return StepAgreement(ForwardMode(high), num_tokens, num_reqs, bool(any_eager), unready, steps)
+
+    def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """All-reduce MAX of a host tensor on the CPU group (alone: the tensor is its own maximum);
+        PeerLostError naming ``what`` if it fails."""
+        if self.world_size == 1:
+            return
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        except RuntimeError as error:
+            raise PeerLostError(
+                f"lockstep: rank {self.rank} lost its peers at {what}: {type(error).__name__}: {error}. A peer died, "
+                "hangs (the wait ends at the CPU group's timeout) or stopped making the calls every rank must make"
+            ) from error
 
     def agree_capture(self, entry: GraphEntry, phase: str, error: Optional[Exception]) -> Optional[Exception]:
         """After one phase of ``entry``'s capture (every rank calls it, ``error`` is this rank's):
@@ -242,7 +274,7 @@ class Lockstep:
         ident = key_id(entry.key)
         with torch.inference_mode(False):
             flags = torch.tensor([error is not None, ident, -ident], dtype=torch.int64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+            self._all_reduce(flags, f"the {phase} agreement of {entry.key}")
         failed, high, low = flags.tolist()
         if high != -low:
             raise RuntimeError(f"capture: rank {self.rank} is at {entry.key} ({phase}) and another rank at another "
