@@ -20,6 +20,7 @@ would recompile every call.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -31,8 +32,16 @@ EPOCH = [0]
 # ids of the modules and objects some guard reads: only their changes bump (building or changing
 # another model, as torch.fx does for each recording, costs no guard a re-read).
 WATCHED: Dict[int, Any] = {}
-# The journal of the step being captured, told of every assignment (graphrt.guards.assignments).
-JOURNAL: List[Any] = [None]
+
+
+class _ActiveJournal(threading.local):
+    """The journal of the step this thread is capturing, told of every assignment (graphrt.guards.assignments);
+    per thread: another thread's assignments while one captures are not the step's."""
+
+    active: Any = None
+
+
+JOURNAL = _ActiveJournal()
 _compiling = torch.compiler.is_compiling
 _installed: List[Any] = []
 # Container methods that change which modules or parameters a container holds; several write
@@ -95,7 +104,7 @@ def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
         original = _object_setattr
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        journal = JOURNAL[0]
+        journal = JOURNAL.active
         if journal is not None:
             journal.note(self, name)
         original(self, name, value)
@@ -114,7 +123,7 @@ def _journaled_delattr(original: Callable[..., None]) -> Callable[..., None]:
         original = _object_delattr
 
     def __delattr__(self: Any, name: str) -> None:
-        journal = JOURNAL[0]
+        journal = JOURNAL.active
         if journal is not None:
             journal.note(self, name)
         original(self, name)
