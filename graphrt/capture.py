@@ -33,6 +33,8 @@ except ImportError:  # progress bars are optional: bare GPU images may lack tqdm
     tqdm = None
 
 from graphrt.backends import CapturedGraph, GraphBackend, StateJournal
+from graphrt.backends.base import StepRefusal
+from graphrt.backends.compile_runs import compile_run, compiled_code
 from graphrt.backends.compiled import eager_stance
 from graphrt.batch import ForwardBatch
 from graphrt.debug import GenerationCounter
@@ -56,6 +58,7 @@ class KeyReport:
     verify_seconds: float = 0.0  # part of ``seconds``: the eager run and replay that verified the graph
     pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
     output_bytes: int = 0  # the key's output tensors (memory the keys of one pool share)
+    compiled: Optional[bool] = None  # the step's torch.compile'd code compiled at this key's shapes (None: it has none)
 
 
 @dataclass
@@ -93,13 +96,15 @@ class CaptureReport:
 
     def __str__(self) -> str:
         lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'out MiB':>8} {'pool MiB':>9} {'pieces':>6}"
-                 "  reason"]
+                 f" {'compiled':>8}  reason"]
         for report in self.keys:
             pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
             status = "ok" if report.ok else "failed"
             pieces = "-" if report.pieces is None else str(report.pieces)
+            compiled = {None: "-", True: "yes", False: "no"}[report.compiled]
             lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {report.verify_seconds:>8.3f} "
-                         f"{report.output_bytes / 2**20:>8.2f} {pool:>9} {pieces:>6}  {report.reason or ''}")
+                         f"{report.output_bytes / 2**20:>8.2f} {pool:>9} {pieces:>6} {compiled:>8}  "
+                         f"{report.reason or ''}")
         lines.append(f"{'pool total':<28} {'':<8} {self.seconds:>8.3f} {self.verify_seconds:>8.3f} "
                      f"{self.output_bytes / 2**20:>8.2f} {self.pool_bytes / 2**20:>9.2f}")
         return "\n".join(lines)
@@ -116,9 +121,11 @@ PhaseAgreement = Callable[[GraphEntry, str, Optional[Exception]], Optional[Excep
 class KeyCapture:
     """Captures the keys of a registry through one backend (``warmup_iters`` warm-up calls each).
     ``scratch``: the storages a capture writes only at rows no request owns (it stages pad values
-    first), never copied to undo those writes. ``compiled``: the step calls a torch.compile'd
-    callable, compiled for each key before its capture. ``agree``: the ranks' agreement after each
-    phase (lockstep), None for a single process."""
+    first), never copied to undo those writes. ``compiled``: the callable is torch.compile'd (its
+    warm-ups take no capture path; at least one, so its compile run's writes are undone). Compiled
+    code the step runs, however reached, compiles for each key before its recording
+    (graphrt.backends.compile_runs). ``agree``: the ranks' agreement after each phase (lockstep),
+    None for a single process."""
 
     def __init__(self, backend: GraphBackend, warmup_iters: int = 2, verify: bool = True,
                  scratch: Callable[[], Set[Tuple[torch.device, int]]] = frozenset, compiled: bool = False,
@@ -143,17 +150,20 @@ class KeyCapture:
                     progress: bool = True) -> CaptureReport:
         """Capture every pending key of ``registry``, largest first; ``before_capture`` runs before
         each key's warm-up. A key whose capture raises is marked FAILED with the reason and the
-        others go on. KeyboardInterrupt stops the loop, keeps the keys already captured and propagates."""
+        others go on, unless the step was refused (``StepRefusal``: code no key can hold), which fails
+        every later key with it. KeyboardInterrupt stops the loop, keeps the keys already captured and
+        propagates."""
         report = CaptureReport()
         pending: Sequence[GraphEntry] = registry.pending()
+        refusal: Optional[StepRefusal] = None
         with self.backend.capture_session():
             if progress and tqdm is not None:
                 pending = tqdm(pending, desc=f"capturing {self.backend.name} graphs")
             for entry in pending:
                 start = time.perf_counter()
-                error: Optional[Exception] = None
+                error: Optional[Exception] = refusal
                 try:
-                    if before_capture is not None:
+                    if before_capture is not None and error is None:
                         before_capture(entry)
                 except Exception as caught:  # a failed capture disables only this key
                     error = caught
@@ -162,10 +172,12 @@ class KeyCapture:
                     registry.mark_failed(entry, error)
                 else:
                     self.capture_entry(registry, entry, self.warmup_iters)
+                    refusal = entry.refused
                 entry.seconds = time.perf_counter() - start
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
                                              entry.pool_bytes, entry.reason, entry.verify_seconds, _pieces(entry),
-                                             _output_bytes(entry)))
+                                             _output_bytes(entry),
+                                             None if entry.compiled is None else entry.compiled.compiled))
         return report
 
     def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "",
@@ -180,14 +192,16 @@ class KeyCapture:
             record = lambda fn, generators: entry.record(self.backend, fn, generators)  # noqa: E731
         journal = StateJournal(self.scratch(), WHOLE_SAVE_BUDGET)
         error: Optional[Exception] = None
+        entry.refused, entry.runs_compiled, entry.compiled = None, False, None  # this capture's findings
         try:
-            if self.compiled:
-                compile_warmup(self.backend, step, journal)
-            graph = capture_graph(self.backend, step, warmup_iters, record, journal, watch,
-                                  capture_path=not self.compiled)
+            graph = capture_graph(self.backend, step, max(warmup_iters, 1) if self.compiled else warmup_iters, record,
+                                  journal, watch, capture_path=not self.compiled,
+                                  compile_step=lambda: self._compile(entry))
             check_devices(entry, graph, self.backend.graph_device)
         except Exception as caught:  # a failed capture disables only this key
             error = caught
+            if isinstance(caught, StepRefusal):
+                entry.refused = caught
         error = self._agreed(entry, "capture", error)
         if error is not None:
             registry.mark_failed(entry, error, then=then)
@@ -206,6 +220,23 @@ class KeyCapture:
                 return False
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad, journal.touched)
         return True
+
+    def _compile(self, entry: GraphEntry) -> None:
+        """If the step ran torch.compile'd code (seen by its warm-ups), compile it at the key's shapes with
+        no dispatch mode active, the key's rows marked dynamic (graphrt.backends.compile_runs). The step
+        runs bare: compiling assigns attributes of the modules Dynamo and inductor make (inductor on CUDA
+        rebinds its GraphModules' ``meta``), which the assignment journal would refuse; the step's own
+        Python state was checked by the observed warm-up, and a cache hit under it assigns nothing."""
+        if not entry.runs_compiled:
+            return
+        tensors: List[Any] = []
+        flatten(entry.static_inputs, tensors)
+        with self.backend.warmup_context():
+            entry.compiled = compile_run(entry.step, [leaf for leaf in tensors if isinstance(leaf, torch.Tensor)],
+                                         (entry.key.num_tokens, entry.key.num_reqs))
+        if not entry.compiled.compiled:
+            logger.warning("%s: the step's torch.compile'd code runs eagerly at this key's shapes: %s", entry.key,
+                           entry.compiled.detail)
 
 
 def check_devices(entry: GraphEntry, graph: CapturedGraph, device: Optional[torch.device]) -> None:
@@ -248,7 +279,8 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     argument object fails the capture with a message naming it. A step that rebinds the state of
     its guard's roots (object arguments, what the wrapped callable holds) or assigns an attribute
     of any module or watched object fails it too (``RebindError``), each binding put back. The
-    first run is observed (graphrt.guards.observe): what it ran is what the key's guard checks."""
+    first run is observed (graphrt.guards.observe): what it ran is what the key's guard checks, and
+    the compiled code it ran (``compiled_code``) is compiled for the key before its recording."""
     roots = entry.guard_spec.rebind_roots() if entry.guard_spec is not None else ()
     entry.observation = None
 
@@ -256,6 +288,7 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
         leaves: List[Any] = []
         if entry.observation is None:
             outputs, entry.observation = observed_run(entry.step, roots)
+            entry.runs_compiled = compiled_code(entry.observation.modules, entry.observation.compiled_calls)
         else:
             with python_state_kept(roots):
                 outputs = entry.step()
@@ -277,25 +310,9 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
 Record = Callable[[Callable[[], Any], Sequence[torch.Generator]], CapturedGraph]
 
 
-def compile_warmup(backend: GraphBackend, fn: Callable[[], Any], journal: StateJournal) -> None:
-    """Compile a torch.compile'd step at this key's shapes: one call with no dispatch mode active
-    (under a mode Dynamo would skip the code for good; under a CUDA capture compiling fails), its
-    writes undone. The eager path runs first under ``journal`` to learn and save the regions the
-    step writes; the compiled call writes the same regions, which ``journal`` then restores."""
-    with torch.no_grad():
-        try:
-            with journal, eager_stance():
-                fn()
-            journal.put_back()
-            with backend.warmup_context():
-                fn()
-        finally:
-            journal.restore()
-
-
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
                   journal: Optional[StateJournal] = None, watch: Optional[AbstractContextManager] = None,
-                  capture_path: bool = False) -> CapturedGraph:
+                  capture_path: bool = False, compile_step: Optional[Callable[[], None]] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The
@@ -303,10 +320,11 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     ``journal``: the StateJournal to use, for a caller that reads what the step wrote; ``watch``:
     a context the warm-ups also run in (whose exit may raise, refusing the key). ``capture_path``:
     the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
-    step, whose compiled code must not see a patched flag)."""
+    step, whose compiled code must not see a patched flag). ``compile_step``: run between the warm-ups
+    and the recording with no dispatch mode active (a torch.compile'd step compiles there, not under
+    a mode nor inside a CUDA capture); it writes the regions the warm-ups wrote, put back after it."""
     record = backend.capture if record is None else record
     journal = StateJournal() if journal is None else journal
-    graph = None
     with torch.no_grad():
         try:
             with journal, eager_stance():
@@ -315,16 +333,18 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                         fn()
                         journal.put_back()  # each run starts from the state as it was (a cache's length)
                 generators = journal.generators.explicit()
-                if backend.capture_executes:
-                    graph = record(fn, generators)
-            if graph is None:
-                # A CUDA capture executes nothing, outside the journal (its saves would be captured);
-                # what does run during it (piecewise: each piece's replay, the splitting ops) writes
-                # the regions the warm-ups wrote, so the journal, kept until now, undoes it too.
-                graph = record(fn, generators)
+            if compile_step is not None:
+                compile_step()
+                journal.put_back()
+            if backend.capture_executes:
+                with journal, eager_stance():
+                    return record(fn, generators)
+            # A CUDA capture executes nothing, outside the journal (its saves would be captured);
+            # what does run during it (piecewise: each piece's replay, the splitting ops) writes
+            # the regions the warm-ups wrote, so the journal, kept until now, undoes it too.
+            return record(fn, generators)
         finally:
             journal.restore()
-    return graph
 
 
 class VerifyError(RuntimeError):

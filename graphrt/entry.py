@@ -17,6 +17,7 @@ from typing import (
 import torch
 
 from graphrt.backends import CapturedGraph, another_capture_error
+from graphrt.backends.compile_runs import CompileOutcome
 from graphrt.batch import ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
 from graphrt.guards import GuardSpec, KeyGuard, Observation
@@ -193,6 +194,9 @@ class GraphEntry(Generic[StaticInputs]):
     guard_spec: Optional[GuardSpec] = None  # the front's state watch and binding roots (None: no guard)
     guard: Optional[KeyGuard] = None  # the state the graph was captured under, checked per call (set when READY)
     observation: Optional[Observation] = field(default=None, repr=False)  # what the captured step ran
+    runs_compiled: bool = False  # the step ran torch.compile'd code (seen at capture)
+    compiled: Optional[CompileOutcome] = None  # whether that code is compiled at this key's shapes
+    refused: Optional[Exception] = None  # why the step, not the size, failed capture: no other key of it is captured
 
     def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
         """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the

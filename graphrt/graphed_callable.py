@@ -39,9 +39,10 @@ from torch.utils._pytree import tree_leaves
 from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device, step_lock,
 )
-from graphrt.backends.compiled import eager_stance, is_compiled
+from graphrt.backends.compiled import describe_callable, eager_stance, is_compiled, opaque_to_dynamo
 from graphrt.backends.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
+from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import ForwardMode, debug_enabled
 from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
@@ -131,7 +132,9 @@ class GraphedCallable:
         if not callable(fn):
             raise TypeError(f"fn: expected a callable (a function or module of tensors), got {type(fn).__name__}")
         refuse_compiled_cudagraphs(fn, "fn")
+        refuse_torchscript(fn, "fn")
         self.fn = fn
+        self.wraps = describe_callable(fn)  # what this front wraps, in words (stats()["wraps"])
         self.__wrapped__ = fn  # inspect.signature(self) is fn's: generate() passes forward the kwargs it accepts
         self.max_batch_size = max_batch_size
         self.capture_sizes = (
@@ -289,6 +292,7 @@ class GraphedCallable:
 
     # ---- per call ---------------------------------------------------------------------------------
 
+    @opaque_to_dynamo  # torch.compile around a wrapped function breaks its graph here: graphs replay
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
         with self._lock, step_lock():  # no step while another thread captures, where torch needs it
@@ -359,9 +363,11 @@ class GraphedCallable:
         if torch.is_grad_enabled() and graphs.autograd is None:  # whether eager outputs carry history: see once
             return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
         captured = self._record(layout, entry, leaves, batch_size)
-        if not captured and batch_size != padded:
+        if not captured and batch_size != padded and entry.refused is None:
             entry = self._exact_size_entry(layout, batch_size)
             captured = self._record(layout, entry, leaves, batch_size)
+        if entry.refused is not None:  # the step, not the size: no key of this layout can hold it
+            graphs.capture, graphs.off_reason = None, EagerReason.CAPTURE_FAILED
         if not captured:  # capture_failed, or verify_failed
             return self._run_eager(STATUS_REASONS[entry.status], layout, batch_size, args, kwargs)
         self.layouts.recorded(layout)
@@ -527,6 +533,7 @@ class GraphedCallable:
         layout ``n`` are prefixed ``layout{n}:``. ``arg_layout`` is the layout used last.
         """
         result = self._stats.as_dict()
+        result["wraps"] = self.wraps
         current = self.layouts.current
         result["backend"] = self.backend_name if current is None or current.graphs.capture is None else (
             current.graphs.capture.backend.name)

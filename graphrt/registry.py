@@ -260,13 +260,17 @@ class GraphRegistry:
 
     def summary(self, prefix: str = "") -> Dict[str, Any]:
         """Per-key counters for ``stats()``: replays per key, captured keys, why keys are out of use,
-        and why padded outputs of a key cannot be cut; key names start with ``prefix``."""
+        why padded outputs of a key cannot be cut, and why a key's compiled code runs eagerly; key
+        names start with ``prefix``."""
         return {
             "key_hits": {prefix + str(key): entry.hits for key, entry in self.entries.items() if entry.hits},
             "captured_keys": [prefix + str(key) for key in self.ready_keys()],
             "failed_keys": {prefix + str(key): entry.reason for key, entry in self.entries.items()
                             if entry.reason is not None},
             "uncut_outputs": {prefix + key: why for key, why in self.uncut_outputs.items()},
+            # keys whose step's torch.compile'd code runs eagerly at their shapes (graphrt.backends.compile_runs)
+            "uncompiled_keys": {prefix + str(key): entry.compiled.detail for key, entry in self.entries.items()
+                                if entry.compiled is not None and not entry.compiled.compiled},
         }
 
     def ready_keys(self) -> List[GraphKey]:

@@ -21,8 +21,9 @@ from graphrt.backends import (
     DISABLE_ENV, graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device,
     step_lock,
 )
-from graphrt.backends.compiled import is_compiled
+from graphrt.backends.compiled import describe_callable, is_compiled, opaque_to_dynamo
 from graphrt.backends.state_journal import storage_key
+from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import EXTEND_FIELDS, ForwardBatch, ForwardMode, debug_enabled
 from graphrt.batch_context import scratch_tensors, table_sizes
 from graphrt.capture import CaptureReport, KeyCapture
@@ -64,6 +65,7 @@ class GraphRunner:
         elif options:
             config = config.with_options(**options)
         refuse_compiled_cudagraphs(model, "model")
+        refuse_torchscript(model, "model")
         requested = resolve_backend_name(config.backend, config.device)
         self.model = model
         self.config = config
@@ -307,6 +309,7 @@ class GraphRunner:
 
     # ---- per step -----------------------------------------------------------------------------
 
+    @opaque_to_dynamo  # torch.compile around a step breaks its graph here: graphs replay
     def __call__(self, batch: ForwardBatch) -> Any:
         """Run one step: replay the graph that fits, else eager; returns only the real rows."""
         if self.lockstep is not None:
@@ -318,6 +321,7 @@ class GraphRunner:
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             return self._route(batch)
 
+    @opaque_to_dynamo
     def decode(self, batch: ForwardBatch, steps: int, next_tokens: Optional[NextTokens] = None) -> torch.Tensor:
         """``steps`` decode steps of ``batch``: the tokens chosen at each, ``[steps, batch_size]`` int64
         (an output like any other: valid until the next replay). ``out_cache_loc`` holds the slots of
@@ -485,6 +489,7 @@ class GraphRunner:
     def stats(self) -> Dict[str, Any]:
         """Counters: graph_runs, eager_runs, eager_reasons, real_tokens, padded_tokens, and more."""
         result = self._stats.as_dict()
+        result["wraps"] = describe_callable(self.model)
         result["backend"] = self.backend_name
         result["capture_sizes"] = list(self.capture_sizes)
         result.update(self.registry.summary())

@@ -45,7 +45,7 @@ FIXES = ["tests/test_cuda_first_run.py", "tests/test_cuda_pool.py", "tests/test_
          "tests/test_cuda_predictions.py"]
 HF = ["tests/test_cuda_hf.py", ENGINE_FAMILIES_TEST]
 # The other cuda-marked tests, the most telling first (files found with cuda marks and not named here come last).
-REST_ORDER = ["tests/test_runner.py", "tests/test_wrap_capture.py", "tests/test_piecewise.py", "tests/test_check.py",
+REST_ORDER = ["tests/test_compile.py", "tests/test_runner.py", "tests/test_wrap_capture.py", "tests/test_piecewise.py", "tests/test_check.py",
               "tests/test_reliability.py", "tests/test_multistep_reference.py", "tests/test_reference_model.py",
               "tests/test_sizes_autotune.py", "tests/test_ubatch_sync.py", "tests/test_bench.py"]
 # tests/test_gpu_probe.py's cuda test reruns the probes: left out

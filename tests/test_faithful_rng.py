@@ -357,3 +357,61 @@ def test_check_tells_that_a_step_draws_random_numbers_as_information():
         assert "not the ones an eager run would draw" not in finding.message, finding.message
     assert "not the numbers an eager run would draw" not in random_ops[0].to_dict()["fix"]
 
+
+
+# ---------------------------------------------------------------- padding rows draw too (issue 42, item 6)
+
+
+@pytest.mark.parametrize("op", ["dropout", "multinomial"])
+def test_wrap_of_a_padded_random_step_draws_eagers_sequence_on_every_call(op):
+    """A step that draws for every row, called with 3 rows and capture sizes [4, 8]: padded to 4 rows,
+    each replay would move the generator as for 4 rows, so from the second call on every draw would
+    depart from eager's (before: the first padded call equal, the later ones not). The padding check
+    sees the generator end elsewhere than the real rows' step leaves it: the layout records its calls
+    at their exact sizes (said in ``exact_sizes``), and every call draws what eager draws."""
+    step = RANDOM_STEPS[op]
+    fast = wrap(step, max_batch_size=8, capture_sizes=[4, 8], backend="emulated")
+    x = uniform_input("cpu")[:3]
+    with torch.no_grad():
+        torch.manual_seed(5)
+        eager = [step(x) for _ in range(5)]
+        eager_state = rng_state("cpu")
+        torch.manual_seed(5)
+        got = [fast(x).clone() for _ in range(5)]
+    assert_identical(got, eager)
+    assert same_rng_state(rng_state("cpu"), eager_state)
+    stats = fast.stats()
+    assert stats["graph_runs"] == 4, stats["eager_reasons"]
+    (why,) = stats["exact_sizes"].values()
+    assert "the step draws random numbers for the padding rows too: the default CPU generator ends elsewhere" in why
+
+
+class DropoutToyModel(ToyPagedModel):
+    def forward(self, input_ids, positions, forward_batch):
+        return F.dropout(super().forward(input_ids, positions, forward_batch), p=0.5, training=True)
+
+
+def test_runner_padded_key_matches_eagers_real_size_sequence_on_its_first_call_only():
+    """GraphRunner's contract (docs/MANUAL.md, "Random numbers"): a padded key draws for its padding rows
+    too. Its first call gives the real rows what eager at the real size draws; the generator then stands
+    where the padded eager step leaves it, not the real-size one, so later draws depart from eager's
+    real-size sequence (capture the sizes you run, or draw outside the graph, to keep it)."""
+    model = DropoutToyModel()
+    control = copy.deepcopy(model)
+    runner = GraphRunner(model, max_batch_size=4, capture_sizes=[2, 4], backend="emulated", progress=False)
+    assert not runner.capture().failed
+    batch = decode_batch(3, seed=1)
+    with torch.no_grad():
+        torch.manual_seed(9)
+        replayed = runner(batch).clone()
+        after_replay = rng_state("cpu")
+        torch.manual_seed(9)
+        real = control(batch.input_ids, batch.positions, batch)
+        after_real = rng_state("cpu")
+        torch.manual_seed(9)
+        padded = pad_batch(batch, 4)
+        control(padded.input_ids, padded.positions, padded)
+        after_padded = rng_state("cpu")
+    assert_identical(replayed, real)
+    assert runner.stats()["graph_runs"] == 1
+    assert same_rng_state(after_replay, after_padded) and not same_rng_state(after_replay, after_real)

@@ -14,6 +14,7 @@ import copy
 import functools
 import random
 import sys
+import threading
 
 import pytest
 import torch
@@ -637,3 +638,24 @@ def test_a_third_value_of_a_closure_variable_gets_graphs_of_its_own():
         runs = fast.stats()["graph_runs"]
         assert torch.equal(fast(x), linear(x) * 3.0) and fast.stats()["graph_runs"] == runs + 1
     assert len(fast.stats()["layouts"]) == 3
+
+
+def test_another_threads_assignments_while_a_step_is_captured_are_not_the_steps():
+    # The journal of a capture is its thread's: a server thread tuning a module meanwhile is neither put back
+    # nor refused as the step's assignment.
+    from graphrt.guards import python_state_kept
+
+    elsewhere = nn.Linear(2, 2)
+    elsewhere.scale = 1.0
+    assigned = threading.Event()
+
+    def tune():
+        elsewhere.scale = 2.0
+        assigned.set()
+
+    with python_state_kept(()):
+        worker = threading.Thread(target=tune)
+        worker.start()
+        assert assigned.wait(10)
+        worker.join()
+    assert elsewhere.scale == 2.0

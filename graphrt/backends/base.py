@@ -8,6 +8,11 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 
+class StepRefusal(Exception):
+    """A step runs code no graph of graphrt can hold, whatever the key (CUDA graphs of its own, TorchScript):
+    the key that found it fails with this reason, and its front captures no other key of that step."""
+
+
 class CapturedGraph(Protocol):
     """A captured forward: ``replay()`` re-runs it reading the static inputs and
     writing into ``outputs`` (the same tensors every replay)."""

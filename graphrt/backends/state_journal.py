@@ -203,6 +203,10 @@ class GeneratorStates:
         for set_state, state in self._host:
             set_state(state)
 
+    def current(self) -> Dict[int, Tuple[torch.Generator, torch.Tensor]]:
+        """Each saved generator with its state now (where the block left it so far)."""
+        return {key: (generator, generator.get_state()) for key, (generator, _) in self._saved.items()}
+
     def explicit(self) -> List[torch.Generator]:
         """The saved generators that are not a default one (a step's own generators)."""
         defaults = {id(generator) for generator in default_generators()}

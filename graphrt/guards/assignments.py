@@ -40,8 +40,8 @@ class AssignmentJournal:
 
     def __enter__(self) -> "AssignmentJournal":
         epoch.install()
-        self._outer = epoch.JOURNAL[0]
-        epoch.JOURNAL[0] = self
+        self._outer = epoch.JOURNAL.active
+        epoch.JOURNAL.active = self
         return self
 
     def note(self, obj: Any, name: str) -> None:
@@ -58,7 +58,7 @@ class AssignmentJournal:
         self._before[key] = (obj, name, _current(obj, name), "" if line is None else str(line))
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        epoch.JOURNAL[0] = self._outer
+        epoch.JOURNAL.active = self._outer
         changed = self._changed()
         self._restore()
         if changed is not None and exc_type is None:
@@ -113,9 +113,10 @@ def observed_run(step: Callable[[], Any], roots: Sequence[Tuple[str, Any]]) -> T
 
 
 def _current(obj: Any, name: str) -> Any:
-    """What ``obj.name`` holds (a module's parameter, buffer or submodule included), else _MISSING."""
+    """What ``obj.name`` holds (a module's parameter, buffer or submodule included), else _MISSING; a module
+    still in its constructor may have no tables yet."""
     if isinstance(obj, torch.nn.Module):
-        for table in (obj._parameters, obj._buffers, obj._modules):
+        for table in (vars(obj).get(field, {}) for field in ("_parameters", "_buffers", "_modules")):
             if name in table:
                 return table[name]
     return vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)

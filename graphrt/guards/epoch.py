@@ -20,6 +20,7 @@ would recompile every call.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -31,8 +32,16 @@ EPOCH = [0]
 # ids of the modules and objects some guard reads: only their changes bump (building or changing
 # another model, as torch.fx does for each recording, costs no guard a re-read).
 WATCHED: Dict[int, Any] = {}
-# The journal of the step being captured, told of every assignment (graphrt.guards.assignments).
-JOURNAL: List[Any] = [None]
+
+
+class _ActiveJournal(threading.local):
+    """The journal of the step this thread is capturing, told of every assignment (graphrt.guards.assignments);
+    per thread: another thread's assignments while one captures are not the step's."""
+
+    active: Any = None
+
+
+JOURNAL = _ActiveJournal()
 _compiling = torch.compiler.is_compiling
 _installed: List[Any] = []
 # Container methods that change which modules or parameters a container holds; several write
@@ -75,13 +84,27 @@ def _bumping(original: Callable[..., Any], of_self: bool = True) -> Callable[...
     return call
 
 
+def _object_setattr(self: Any, name: str, value: Any) -> None:
+    """``object.__setattr__`` as Python code, for the patches below: Dynamo traces this literal call, but
+    resolves the slot wrapper held in a closure as ``Tensor.__setattr__``, which calls the class's
+    ``__setattr__`` (the patch) again, without end (a compiled forward setting a watched cache's attribute)."""
+    object.__setattr__(self, name, value)
+
+
+def _object_delattr(self: Any, name: str) -> None:
+    """``object.__delattr__`` as Python code (``_object_setattr``)."""
+    object.__delattr__(self, name)
+
+
 def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
     """``__setattr__`` that tells the active journal first, then bumps."""
     if getattr(original, "_graphrt_bumps", False):
         return original
+    if original is object.__setattr__:
+        original = _object_setattr
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        journal = JOURNAL[0]
+        journal = JOURNAL.active
         if journal is not None:
             journal.note(self, name)
         original(self, name, value)
@@ -96,9 +119,11 @@ def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
 def _journaled_delattr(original: Callable[..., None]) -> Callable[..., None]:
     if getattr(original, "_graphrt_bumps", False):
         return original
+    if original is object.__delattr__:
+        original = _object_delattr
 
     def __delattr__(self: Any, name: str) -> None:
-        journal = JOURNAL[0]
+        journal = JOURNAL.active
         if journal is not None:
             journal.note(self, name)
         original(self, name)

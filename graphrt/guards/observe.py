@@ -2,8 +2,8 @@
 
 ``observe(step)`` runs the step once under a profiler (``sys.setprofile``, this thread) and keeps
 the modules whose code ran, however the step reached them (a ``functools.partial``, a lambda over
-an engine object, a global, an attribute), and the functions of the model's own code that ran,
-with the globals their code reads. ``entry_roots(fn)`` names what the wrapped callable holds (a
+an engine object, a global, an attribute), the functions of the model's own code that ran,
+with the globals their code reads, and the torch.compile'd callables it called. ``entry_roots(fn)`` names what the wrapped callable holds (a
 bound method's object, a partial's callable and arguments, a callable object, closure cells): the
 objects through which a later call reaches those modules, whose bindings the guard checks.
 """
@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
+from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
 from graphrt.layout.rebind_guard import RebindError
 
@@ -52,6 +53,8 @@ class Observation:
     # (id(globals), name) -> (globals, name, value before the step, whether the step's first use stored it)
     global_uses: Dict[Tuple[int, str], Tuple[Dict[str, Any], str, Any, bool]] = field(default_factory=dict)
     bound: Set[Tuple[int, str]] = field(default_factory=set)  # the globals the step rebound
+    # torch.compile'd callables the step called, however reached: (OptimizeContext, the compiled callable)
+    compiled_calls: List[Tuple[Any, Any]] = field(default_factory=list)
 
     def ran(self, code: types.CodeType) -> bool:
         return code in self.ran_codes
@@ -108,10 +111,16 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
     observation = Observation()
     seen: Set[int] = set()
     modules, codes, all_codes = observation.modules, observation.codes, observation.ran_codes
+    compile_wrappers, compiled_calls = compile_wrapper_codes(), observation.compiled_calls
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "call":
             code = frame.f_code
+            if code in compile_wrappers:  # torch.compile's wrapper: its context and the callable it compiles
+                names = frame.f_locals
+                call = (names.get("self"), names.get("fn"))
+                if not any(call[0] is context and call[1] is fn for context, fn in compiled_calls):
+                    compiled_calls.append(call)
             if code not in all_codes:
                 all_codes.add(code)
                 if is_user_file(code.co_filename):

@@ -19,6 +19,11 @@ import logging
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
+import torch
+
+from graphrt.backends.compiled import (
+    compiled_like, describe_callable, is_compiled, opaque_to_dynamo, original_module, refuse_compiled_cudagraphs,
+)
 from graphrt.graphed_callable import GraphedCallable, wrap
 from graphrt.hf.cache_keyword import passed_cache_keyword
 from graphrt.hf.cross_attention import CrossAttentionFills, needs_fill
@@ -63,6 +68,7 @@ class GenerateForward:
         self.__wrapped__ = fast.fn  # generate() passes forward the keywords its signature accepts
         self.fills = CrossAttentionFills()
 
+    @opaque_to_dynamo  # model.forward compiled after graph_generate: graphs replay
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         keyword = passed_cache_keyword(kwargs)
         if keyword is None or not needs_fill(kwargs[keyword]):
@@ -185,17 +191,26 @@ def graph_generate(
 ) -> GraphedCallable:
     """Make ``model.generate()`` replay its forward calls: wrap ``model.forward``, default the
     generation config to a static cache (and to no auto-compile), and reuse that cache, made
-    graph-safe, across ``generate()`` calls. A configured ``"hybrid"`` or ``"sliding_window"`` cache (a static
+    graph-safe, across ``generate()`` calls. A ``torch.compile(model)`` (an OptimizedModule) generates
+    through its original module: that module's forward, compiled as the model was, is wrapped (a
+    compile with CUDA graphs of its own is refused). A configured ``"hybrid"`` or ``"sliding_window"`` cache (a static
     cache of the config's layer layout) becomes ``"static"`` too. Returns the GraphedCallable (its ``stats()``)."""
     if not callable(getattr(model, "generate", None)) or not callable(getattr(model, "forward", None)):
         raise TypeError(f"model: expected a Hugging Face generative model (with generate and forward), "
                         f"got {type(model).__name__}")
+    compiled = model if is_compiled(model) and isinstance(model, torch.nn.Module) else None
+    if compiled is not None:  # torch.compile(model): generate() runs the original module's forward
+        refuse_compiled_cudagraphs(compiled, "model")
+        model = original_module(compiled)
     model = generating_model(model)
     forward = model.forward
     if isinstance(forward, (GraphedCallable, GenerateForward)):
         raise ValueError("model.forward: already wrapped by graphrt; call graph_generate once per model")
+    if compiled is not None:
+        forward = compiled_like(compiled, forward)  # the compile's backend, mode and options kept
     warn_unsupported_layers(model)
     fast = wrap(forward, max_batch_size, capture_sizes, backend, **options)
+    logger.info("graph_generate(): generate() of %s calls %s, wrapped", type(model).__name__, describe_callable(forward))
     model.forward = GenerateForward(fast)
     config = getattr(model, "generation_config", None)
     if config is not None:

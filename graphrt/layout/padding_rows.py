@@ -15,7 +15,10 @@ declared scratch):
   the real step's counts as other rows: exact sizes, the safe side);
 * what they left: the values of every region either wrote, after each step, must agree (within
   rounding: the two sizes may take other kernels). This finds padding rows writing the real rows'
-  positions (a duplicate index) and state reduced over the batch.
+  positions (a duplicate index) and state reduced over the batch;
+* where they left the random generators (wrap(): ``draws``): a step that draws for every row (dropout,
+  sampling) moves a generator as for the padded rows, so a padded key's replays would depart from
+  eager's sequence after its first call; such a layout records each call size exactly instead.
 
 Both runs see the same values in the real rows, so a difference is the padding rows' doing. The
 step is also run with ``ArgumentTaint``, which says which arguments' values the offending write
@@ -69,8 +72,28 @@ class PaddingWrite:
                 f"were{whose}")
 
 
-def fix_for(write: PaddingWrite) -> str:
+@dataclass(frozen=True)
+class PaddingDraw:
+    """The padded step leaves a random generator elsewhere than the real-size step: it draws for the
+    padding rows too, so a padded key's replay would move it as for the padded rows."""
+
+    generator: str  # which: the default CPU generator, cuda:0's, a generator the step holds
+    real: int
+    padded: int
+    op: str = "random draws"
+    source: Optional[SourceLine] = None
+    written: Optional[torch.Tensor] = None
+
+    def describe(self) -> str:
+        return (f"padded from {self.real} to {self.padded} rows, the step draws random numbers for the padding rows "
+                f"too: {self.generator} ends elsewhere than the real rows' step leaves it, so every later draw would "
+                "depart from eager's")
+
+
+def fix_for(write: "PaddingWrite | PaddingDraw") -> str:
     """The remedy that works for the op that wrote: a pad value its writes skip or land harmlessly at."""
+    if isinstance(write, PaddingDraw):
+        return "each call size gets a graph of its own, which moves the generator as eager's step does"
     if not write.arguments:
         return "capture exactly the batch sizes you run (capture_sizes=[...]): no argument's pad value decides it"
     argument = write.arguments[0]
@@ -169,13 +192,15 @@ def _differs(padded: torch.Tensor, real: torch.Tensor) -> int:
 
 
 def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], Any], real: int, padded: int,
-                       exempt: Set[Storage], arguments: Mapping[Storage, str]) -> Optional[PaddingWrite]:
+                       exempt: Set[Storage], arguments: Mapping[Storage, str],
+                       draws: bool = False) -> "Optional[PaddingWrite | PaddingDraw]":
     """The first write of ``padded_step`` into state (memory outside ``exempt``) that ``real_step``,
     the same step on the first ``real`` of its ``padded`` rows, does not make, or None. Both run
     eagerly under one journal; every write and random draw is undone. ``arguments`` names the
     storages of the step's argument slots (to say which argument a write was computed from). A write
     that cannot be narrowed to rows into a tensor too large to copy raises CaptureMemoryError, as
-    capture does."""
+    capture does. ``draws``: else, a generator the padded step leaves elsewhere than the real step
+    (``PaddingDraw``), a state too."""
     journal = StateJournal(budget=WHOLE_SAVE_BUDGET)
     taint = ArgumentTaint(arguments)
     with torch.no_grad(), eager_stance():  # a compiled step called under a dispatch mode would stay uncompiled
@@ -184,10 +209,12 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
                 real_step()
             real_regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
             real_values = [region.current() for region in real_regions]
+            real_generators = journal.generators.current()
             journal.put_back()
             first = len(journal.regions)
             with journal, taint:
                 padded_step()
+            moved = _moved_apart(journal.generators.current(), real_generators) if draws else None
             padded_regions = [region for region in journal.regions[first:]
                               if storage_key(region.target) not in exempt]
             found = _outside(padded_regions, real_regions)
@@ -196,13 +223,27 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
         finally:
             journal.restore()
     if found is None:
-        return None
+        return None if moved is None else PaddingDraw(moved, real, padded)
     region, elements = found
     index_arguments, value_arguments = _arguments_of(taint, region)
     named = tuple(sorted(index_arguments)) + tuple(sorted(value_arguments - index_arguments))
     dtype = str(region.target.dtype).removeprefix("torch.")
     return PaddingWrite(region.op.removesuffix(".default"), region.source, f"{list(region.target.shape)} {dtype}",
                         elements, named, real, padded, region.target)
+
+
+def _moved_apart(padded: Mapping[int, Tuple[torch.Generator, torch.Tensor]],
+                 real: Mapping[int, Tuple[torch.Generator, torch.Tensor]]) -> Optional[str]:
+    """The first generator whose state after the padded step differs from its state after the real step."""
+    for key, (generator, state) in padded.items():
+        seen = real.get(key)
+        if seen is None or not torch.equal(seen[1], state):
+            if generator is torch.default_generator:
+                return "the default CPU generator"
+            device = generator.device
+            default = device.type == "cuda" and generator is torch.cuda.default_generators[device.index or 0]
+            return f"{device}'s default generator" if default else f"a {device} generator the step draws from"
+    return None
 
 
 def _outside(padded_regions: List[WrittenRegion], real_regions: List[WrittenRegion]
@@ -262,7 +303,8 @@ def padding_refusal(fn: Callable[..., Any], signature: Any, leaves: List[Any], r
 
 
 def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
-                            scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Optional[PaddingWrite]:
+                            scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]
+                            ) -> "Optional[PaddingWrite | PaddingDraw]":
     """For wrap(): stage the call's first ``real`` rows into ``signature``'s slots (pad values above
     them) and compare ``fn`` on ``real`` and on ``padded`` rows of the slots (``find_padding_write``);
     the slots and ``scratch`` are not state. Each run puts back the Python bindings of ``roots`` it
@@ -279,7 +321,7 @@ def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List
         return step
 
     slots = signature.slot_paths()
-    return find_padding_write(run(real), run(padded), real, padded, set(slots) | scratch, slots)
+    return find_padding_write(run(real), run(padded), real, padded, set(slots) | scratch, slots, draws=True)
 
 
 # ---- what wrap()'s padding rows hold: pad_values=, by argument path ------------------------------------
@@ -320,5 +362,5 @@ def checked_pad_values(pad_values: Optional[Mapping[str, float]], fn: Callable[.
     return dict(pad_values)
 
 
-__all__ = ["ArgumentTaint", "PaddingWrite", "checked_pad_values", "find_padding_write", "fix_for", "padding_refusal",
+__all__ = ["ArgumentTaint", "PaddingDraw", "PaddingWrite", "checked_pad_values", "find_padding_write", "fix_for", "padding_refusal",
            "positional_names", "signature_padding_write"]

@@ -98,6 +98,8 @@ class RebindGuard:
         containers among its attributes are followed as an object's are."""
         for name, submodule in module.named_modules(prefix=path):
             seen.add(id(submodule))
+            if isinstance(submodule, torch.jit.ScriptModule):
+                continue  # TorchScript's tables are not dicts; a step that runs it is refused (backends.torchscript)
             owner = type(submodule)
             attributes = vars(submodule)
             self._saved.append((name, attributes, dict(attributes), "{}.{}", owner, True))
