@@ -48,14 +48,16 @@ $(OLDEST_STAMP): pyproject.toml Makefile
 	$(call venv_with,$(OLDEST_VENV),dev,$(TRANSFORMERS_OLDEST),$(OLDEST_STAMP))
 
 comma := ,
+# pytest-xdist workers for make test: every core (CI's 2 halve the run); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= auto
 
 test: test-newest test-oldest-transformers
 
 test-newest: $(STAMP)
-	PYTHONPATH=. $(PY) -m pytest -q
+	PYTHONPATH=. $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-oldest-transformers: $(OLDEST_STAMP)
-	PYTHONPATH=. $(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
+	PYTHONPATH=. $(OLDEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(OLDEST_TESTS)
 
 SEES_CUDA = import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
 
