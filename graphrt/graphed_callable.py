@@ -28,7 +28,6 @@ eagerly (``autograd``) so gradients flow; replays never record autograd.
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -49,6 +48,7 @@ from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_
 from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
+from graphrt.layout.signature_stager import SignatureStager
 from graphrt.layout.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
@@ -74,41 +74,6 @@ class LayoutGraphs:
     off_reason: EagerReason = EagerReason.GRAPHS_DISABLED  # why calls run eagerly while ``capture`` is None
     exact_sizes: Optional[str] = None  # why every call size gets a key of its own (padding rows write state)
     outside_reads: Optional[List[Any]] = None  # what the last warm-up read outside its arguments (OutsideReads)
-
-
-class SignatureStager:
-    """Stages a call into the static slots of one layout (``CallSignature.stage``) and writes
-    arguments the graph writes in place back into the caller's tensors."""
-
-    __slots__ = ("signature", "_tensors")
-
-    def __init__(self, signature: CallSignature) -> None:
-        self.signature = signature
-        positions = signature.tensor_positions
-        if len(positions) > 1:
-            self._tensors = operator.itemgetter(*positions)
-        else:  # an itemgetter of one position returns the leaf itself
-            self._tensors = lambda leaves: tuple(leaves[position] for position in positions)
-
-    def stage(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
-        self.signature.stage(leaves, num_tokens)
-
-    def reset(self) -> None:
-        self.signature.buffers.reset()
-
-    def written(self, storages: Set[Tuple[torch.device, int]]) -> Tuple[int, ...]:
-        positions = self.signature.written(storages)
-        if positions:
-            logger.info("wrap(): the function writes %s in place; replays copy it back to the caller",
-                        ", ".join(self.signature.written_paths(positions)))
-        return positions
-
-    def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
-        self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
-
-    def sources(self, leaves: List[Any]) -> Sequence[torch.Tensor]:
-        """The call's tensors (the aliasing guard reads their memory)."""
-        return self._tensors(leaves)
 
 
 class GraphedCallable:

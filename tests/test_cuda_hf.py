@@ -24,7 +24,7 @@ from hf_helpers import family_inputs, tiny_model  # noqa: E402
 
 import graphrt.hf  # noqa: E402
 from graphrt.backends.op_graph import grouped_mm_fallback_reason  # noqa: E402
-from graphrt.capture import rounding_tolerance  # noqa: E402
+from graphrt.verify import rounding_tolerance  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 NEW_TOKENS = 4

@@ -12,7 +12,8 @@ from ubatch_helpers import make_batch
 
 import graphrt
 from graphrt import ForwardMode, GraphRunner, RunnerConfig
-from graphrt.capture import capture_graph, verify_graph
+from graphrt.capture import capture_graph
+from graphrt.verify import verify_graph
 from graphrt.backends.cuda import CudaGraphBackend, stream_capturing
 from graphrt.layout.tensor_tree import same_value
 from graphrt.piecewise import resolve_splitting_ops

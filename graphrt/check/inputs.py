@@ -19,14 +19,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from graphrt.check.report import ArgumentInfo, Finding
-from graphrt.layout.call_signature import (
-    CallSignature,
-    Constant,
-    TensorEvidence,
-    call_paths,
-    flatten_call,
-    unflatten_call,
-)
+from graphrt.layout.call_signature import CallSignature, call_paths, flatten_call, unflatten_call
+from graphrt.layout.tensor_evidence import Constant, TensorEvidence
 from graphrt.layout.tensor_tree import is_plain_constant
 from graphrt.sizes import default_capture_sizes
 

@@ -43,7 +43,8 @@ from graphrt.backends.source_lines import SourceLine
 from graphrt.backends.state_journal import (
     StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
 )
-from graphrt.capture import WHOLE_SAVE_BUDGET, rounding_tolerance
+from graphrt.capture import WHOLE_SAVE_BUDGET
+from graphrt.verify import rounding_tolerance
 from graphrt.guards import observed_run
 
 _aten = torch.ops.aten
