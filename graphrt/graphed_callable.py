@@ -260,7 +260,7 @@ class GraphedCallable:
     @opaque_to_dynamo  # torch.compile around a wrapped function breaks its graph here: graphs replay
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of the call's layout at the smallest captured size that fits, else run ``fn`` eagerly."""
-        with self._lock, step_lock():  # no step while another thread captures, where torch needs it
+        with step_lock(self._lock):  # no step while another thread captures, where torch needs it
             return self._call(args, kwargs, True)
 
     def _call(self, args: tuple, kwargs: dict, may_switch: bool) -> Any:

@@ -316,7 +316,7 @@ class GraphRunner:
             return self._lockstep_call(batch)
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-        with self._lock, step_lock():  # no step while another thread captures, where torch needs it
+        with step_lock(self._lock):  # no step while another thread captures, where torch needs it
             batch.validate(self.device, self.debug, self.config.check_values, self._limits)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             return self._route(batch)
@@ -333,7 +333,7 @@ class GraphRunner:
         if self.lockstep is not None:
             return self._lockstep_call(batch, steps, next_tokens)
         check_call(batch, steps, next_tokens)
-        with self._lock, step_lock():
+        with step_lock(self._lock):
             batch.validate(self.device, self.debug, self.config.check_values, self._limits, steps)
             self._stats.record_size(batch.forward_mode, batch.batch_size)
             return self._decoder.run(batch, steps, next_tokens)
@@ -362,7 +362,7 @@ class GraphRunner:
         """
         error: Optional[Exception] = None
         launch = steps is not None
-        with self._lock, step_lock():
+        with step_lock(self._lock):
             try:
                 if launch and (type(steps) is not int or steps < 1):
                     steps, launch = 1, False  # take part as one step: peers launching several raise too

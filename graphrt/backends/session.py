@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import gc
 import threading
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Iterator, Tuple
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Iterator, Tuple
 
 import torch
 
@@ -27,7 +27,6 @@ CAPTURE_LOCK = threading.RLock()
 _gc_lock = threading.Lock()
 _gc_sessions = 0  # sessions under way that turned the collector off or found it off by another session
 _gc_was_enabled = False  # the collector's state before the first of them
-_NO_LOCK = nullcontext()
 
 
 def torch_release() -> Tuple[int, int]:
@@ -44,11 +43,32 @@ GENERATOR_FLAG_PROCESS_WIDE = torch_release() <= (2, 11)
 ANOTHER_CAPTURE_ERRORS = ("Offset increment outside graph capture encountered unexpectedly",)
 
 
-def step_lock() -> AbstractContextManager:
-    """What a graphrt step (a replay or an eager run of the model) holds: ``CAPTURE_LOCK`` where the
-    default generator's capture flag is process-wide, so no step runs while another thread captures;
-    else nothing."""
-    return CAPTURE_LOCK if GENERATOR_FLAG_PROCESS_WIDE else _NO_LOCK
+def step_lock(own_lock: Any) -> AbstractContextManager:
+    """What a graphrt step (a replay or an eager run of the model) holds: its front's ``own_lock``, and
+    ``CAPTURE_LOCK`` too where the default generator's capture flag is process-wide, so no step runs
+    while another thread captures. Elsewhere ``own_lock`` itself: a step costs no Python call more."""
+    return _BothLocks(own_lock) if GENERATOR_FLAG_PROCESS_WIDE else own_lock
+
+
+class _BothLocks:
+    """A front's own lock, then ``CAPTURE_LOCK`` (released in the reverse order)."""
+
+    __slots__ = ("own_lock",)
+
+    def __init__(self, own_lock: Any) -> None:
+        self.own_lock = own_lock
+
+    def __enter__(self) -> None:
+        self.own_lock.acquire()
+        try:
+            CAPTURE_LOCK.acquire()
+        except BaseException:
+            self.own_lock.release()
+            raise
+
+    def __exit__(self, *exc_info: Any) -> None:
+        CAPTURE_LOCK.release()
+        self.own_lock.release()
 
 
 def another_capture_error(error: BaseException) -> bool:
