@@ -132,3 +132,27 @@ def value_check_path(request, monkeypatch):
     if request.param == "torch_reductions":
         monkeypatch.setattr("graphrt.batch.HOST_LIST_VALUES", 0)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_active():
+    """Every test leaves the process as it found it: no capture journal, tracer, profiler or dispatch mode
+    left active, the collector on and no capture session open (a leak would change what later tests see)."""
+    import gc
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from graphrt.backends import session
+    from graphrt.guards import epoch
+
+    tracer, profiler = sys.gettrace(), sys.getprofile()
+    yield
+    left = {
+        "an assignment journal": epoch.JOURNAL.active is not None,
+        "a tracer": sys.gettrace() is not tracer,
+        "a profiler": sys.getprofile() is not profiler,
+        "a dispatch mode": bool(_get_current_dispatch_mode_stack()),
+        "the collector off": not gc.isenabled(),
+        "a capture session": session._gc_sessions != 0,
+    }
+    assert not any(left.values()), f"left active: {[name for name, active in left.items() if active]}"
