@@ -197,6 +197,7 @@ class GraphEntry(Generic[StaticInputs]):
     runs_compiled: bool = False  # the step ran torch.compile'd code (seen at capture)
     compiled: Optional[CompileOutcome] = None  # whether that code is compiled at this key's shapes
     refused: Optional[Exception] = None  # why the step, not the size, failed capture: no other key of it is captured
+    serving: Any = field(default=None, repr=False)  # the registry's decision to replay it, made once (per call: no tuple)
 
     def replay(self, call: Any, num_tokens: int, num_reqs: int) -> Any:
         """The one replay: stage ``call`` (``num_tokens``/``num_reqs`` real rows, a size the

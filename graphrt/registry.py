@@ -157,7 +157,10 @@ class GraphRegistry:
             reason = self.prepare_cut(entry, num_tokens, num_reqs)
             if reason is not None:
                 return Decision(entry, reason)
-        return Decision(entry, None)
+        serving = entry.serving
+        if serving is None:
+            serving = entry.serving = Decision(entry, None)
+        return serving
 
     def prepare_cut(self, entry: GraphEntry, num_tokens: int, num_reqs: int) -> Optional[EagerReason]:
         """Cut ``entry``'s outputs to these real rows once (cached on the entry), or say why not."""

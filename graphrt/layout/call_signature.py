@@ -132,8 +132,12 @@ class CallSignature:
 
     def flatten(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
         """The call's leaves and structure (None when its keywords differ from the captured ones)."""
-        if len(args) == self._flat_arity and not kwargs and all(type(arg) is torch.Tensor for arg in args):
-            return list(args), self.structure
+        if len(args) == self._flat_arity and not kwargs:
+            for arg in args:  # a loop, not all(): no generator per call
+                if type(arg) is not torch.Tensor:
+                    break
+            else:
+                return list(args), self.structure
         if kwargs.keys() != self._kw_set:
             leaves: List[Any] = []
             flatten((args, kwargs), leaves)
