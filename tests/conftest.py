@@ -137,15 +137,17 @@ def value_check_path(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def nothing_left_active():
     """Every test leaves the process as it found it: no capture journal, tracer, profiler or dispatch mode
-    left active, the collector on and no capture session open (a leak would change what later tests see)."""
+    left active, the collector on, no capture session open and torch's global settings (default dtype,
+    matmul precision, ...) as they were (a leak would change what later tests see)."""
     import gc
 
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from graphrt.backends import session
     from graphrt.guards import epoch
+    from graphrt.guards.python_state import torch_settings
 
-    tracer, profiler = sys.gettrace(), sys.getprofile()
+    tracer, profiler, settings = sys.gettrace(), sys.getprofile(), torch_settings()
     yield
     left = {
         "an assignment journal": epoch.JOURNAL.active is not None,
@@ -154,5 +156,6 @@ def nothing_left_active():
         "a dispatch mode": bool(_get_current_dispatch_mode_stack()),
         "the collector off": not gc.isenabled(),
         "a capture session": session._gc_sessions != 0,
+        "torch's settings changed": torch_settings() != settings,
     }
     assert not any(left.values()), f"left active: {[name for name, active in left.items() if active]}"

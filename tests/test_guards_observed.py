@@ -659,3 +659,25 @@ def test_another_threads_assignments_while_a_step_is_captured_are_not_the_steps(
         assert assigned.wait(10)
         worker.join()
     assert elsewhere.scale == 2.0
+
+
+def test_wrap_under_another_default_dtype_gets_graphs_of_its_own_with_eagers_dtype():
+    # torch.zeros without a dtype: the graph keeps capture's float32; eager makes float64 (dynamo guards it).
+    def step(x):
+        return torch.zeros(x.shape[0], 1) + x
+
+    fast = wrap(step, max_batch_size=8, backend="emulated")
+    x = torch.ones(4, 3)
+    with torch.no_grad():
+        for _ in range(4):
+            fast(x)
+        torch.set_default_dtype(torch.float64)
+        try:
+            wide = [fast(x) for _ in range(4)]
+            expected = step(x)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert all(out.dtype == torch.float64 and torch.equal(out, expected) for out in wide)
+        runs = fast.stats()["graph_runs"]
+        assert fast(x).dtype == torch.float32 and fast.stats()["graph_runs"] == runs + 1  # capture's graphs again
+    assert any("torch's default dtype is torch.float64" in detail for detail in fast.stats()["guard_failures"])

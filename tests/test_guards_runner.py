@@ -148,3 +148,45 @@ def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():
     assert model.kv is kv and not torch.count_nonzero(kv)
     assert all("RebindError" in reason and "Rebinding.kv" in reason for reason in report.failed.values())
 
+
+
+class ZerosModel(ToyPagedModel):
+    """The toy paged model plus a tensor made without a dtype: its dtype is torch's default dtype."""
+
+    def forward(self, input_ids, positions, forward_batch):
+        return super().forward(input_ids, positions, forward_batch) + torch.zeros(input_ids.shape[0], 1)
+
+
+SETTINGS = {  # a setting torch.compile's global-state guard also reads: (change it, put it back, named as)
+    "default dtype": (lambda: torch.set_default_dtype(torch.float64), lambda: torch.set_default_dtype(torch.float32),
+                      "default dtype"),
+    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("high"),
+                                 lambda: torch.set_float32_matmul_precision("highest"), "float32 matmul precision"),
+    "deterministic algorithms": (lambda: torch.use_deterministic_algorithms(True),
+                                 lambda: torch.use_deterministic_algorithms(False), "deterministic algorithms"),
+    # torch sets the float32 matmul precision with it ("high"), named first
+    "allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+                   lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False), "float32 matmul precision"),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_torch_setting_changed_after_capture_runs_eagerly_until_it_is_back(setting):
+    # A graph keeps the dtype its factory calls made and the kernels chosen at capture (dynamo guards them).
+    change, restore, named = SETTINGS[setting]
+    model = ZerosModel()
+    runner = captured_runner(model)
+    reference = copy.deepcopy(model)
+    batch = decode_batch(4)
+    change()
+    try:
+        with torch.no_grad():
+            out, expected = runner(batch), eager_step(reference, batch)
+    finally:
+        restore()
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+    stats = runner.stats()
+    assert stats["eager_reasons"] == {"python_state": 1} and stats["graph_runs"] == 0
+    assert any(f"torch's {named} is" in detail for detail in stats["guard_failures"]), stats["guard_failures"]
+    with torch.no_grad():
+        assert torch.equal(runner(batch), eager_step(reference, batch)) and runner.stats()["graph_runs"] == 1

@@ -6,8 +6,9 @@ on every call would cost O(model depth); instead graphrt patches the APIs that c
 ``EPOCH`` (``Module.train``/``eval``, ``_apply`` (``to``, ``half``, ``double``, ``cuda``, ...),
 ``Module.__setattr__``/``__delattr__`` of any value, parameter, buffer and submodule registration,
 forward hook registration and ``RemovableHandle.remove`` (module and global), the containers'
-mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), and ``__setattr__``
-of the plain classes whose objects a guard reads through (``watch_class``)), so a key re-reads its
+mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), ``__setattr__``
+of the plain classes whose objects a guard reads through (``watch_class``), and the setters of
+torch's global settings (``torch.set_default_dtype``, ``set_float32_matmul_precision``, ...)), so a key re-reads its
 state only after the epoch moved: one integer compare per call otherwise.
 
 While an ``AssignmentJournal`` is active (a step being captured), the same patches report every
@@ -52,6 +53,9 @@ CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict, tor
               torch.nn.ParameterDict)
 MODULE_METHODS = ("train", "_apply", "register_forward_hook", "register_forward_pre_hook")
 GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook")
+# torch's global settings a step computes under (graphrt.guards.python_state.torch_settings): their setters bump.
+SETTING_FUNCTIONS = ("set_default_dtype", "set_default_tensor_type", "set_default_device",
+                     "set_float32_matmul_precision", "use_deterministic_algorithms")
 _watched_classes: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
@@ -152,6 +156,10 @@ def install() -> None:
     for name in GLOBAL_HOOK_FUNCTIONS:
         setattr(hooks, name, _bumping(getattr(hooks, name), of_self=False))
     RemovableHandle.remove = _bumping(RemovableHandle.remove, of_self=False)  # type: ignore[method-assign]
+    for name in SETTING_FUNCTIONS:
+        setattr(torch, name, _bumping(getattr(torch, name), of_self=False))
+    matmul = type(torch.backends.cuda.matmul)  # torch.backends.cuda.matmul.allow_tf32 = ...
+    matmul.__setattr__ = _bumping(matmul.__setattr__, of_self=False)  # type: ignore[method-assign]
 
     def registered(module: torch.nn.Module, *_: Any) -> None:  # register_parameter/buffer/module write the tables
         if id(module) in WATCHED and not _compiling():

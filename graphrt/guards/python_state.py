@@ -100,6 +100,17 @@ def object_state(obj: Any, keep: List[Any]) -> Tuple[Any, ...]:
     return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items())
 
 
+def torch_settings() -> Tuple[Tuple[str, Any], ...]:
+    """torch's global settings a step computes under (torch.compile's global-state guard reads them too):
+    the default dtype and device a factory call without them uses, the float32 matmul precision and TF32,
+    deterministic algorithms. A graph keeps what they were at capture."""
+    return (("default dtype", torch.get_default_dtype()), ("default device", str(torch.get_default_device())),
+            ("float32 matmul precision", torch.get_float32_matmul_precision()),
+            ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32),
+            ("deterministic algorithms", (torch.are_deterministic_algorithms_enabled(),
+                                          torch.is_deterministic_algorithms_warn_only_enabled())))
+
+
 class PythonState:
     """The frozen state of the modules a step ran and of the plain objects it read, checked again
     with ``change()`` (only after the state epoch moved: it costs a pass over every module)."""
@@ -112,10 +123,16 @@ class PythonState:
         self.modules = [(module, module_state(module, self._keep)) for module in modules]
         self.objects = [(name, obj, object_state(obj, self._keep)) for name, obj in objects]
         self.global_hooks = global_hooks(self._keep)
+        self.settings = torch_settings()
         self._named = named  # (name, object) roots, to name a module in words
 
     def change(self) -> Optional[Change]:
         """``(reason, words)`` for the first difference from capture, else None."""
+        settings = torch_settings()
+        if settings != self.settings:
+            (name, was), now = next((captured, now[1]) for captured, now in zip(self.settings, settings)
+                                    if captured != now)
+            return "python_state", f"torch's {name} is {now} (it was {was} at capture)"
         scratch: List[Any] = []
         if global_hooks(scratch) != self.global_hooks:
             return "hooks", "a global forward hook (torch.nn.modules.module.register_module_forward_*) was added " \
