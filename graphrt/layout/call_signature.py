@@ -159,9 +159,8 @@ class CallSignature:
             if shape is None:
                 if not same_value(value, leaf.value):
                     return batch_size, False
-            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device or not (
-                    type(value) is leaf.kind and leaf.strides is None and value.is_contiguous()  # inlined: per call
-                    or leaf.same_layout(value)):
+            elif value.shape != shape or value.dtype != leaf.dtype or value.device != leaf.device or (
+                    not leaf.same_layout(value)):
                 return batch_size, False
         return batch_size, True
 
