@@ -128,11 +128,9 @@ class PythonState:
 
     def change(self) -> Optional[Change]:
         """``(reason, words)`` for the first difference from capture, else None."""
-        settings = torch_settings()
-        if settings != self.settings:
-            (name, was), now = next((captured, now[1]) for captured, now in zip(self.settings, settings)
-                                    if captured != now)
-            return "python_state", f"torch's {name} is {now} (it was {was} at capture)"
+        for (name, was), (_, now) in zip(self.settings, torch_settings()):
+            if now != was:
+                return "python_state", f"torch's {name} is {now} (it was {was} at capture)"
         scratch: List[Any] = []
         if global_hooks(scratch) != self.global_hooks:
             return "hooks", "a global forward hook (torch.nn.modules.module.register_module_forward_*) was added " \
