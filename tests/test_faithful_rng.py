@@ -410,8 +410,12 @@ def test_runner_padded_key_matches_eagers_real_size_sequence_on_its_first_call_o
         after_real = rng_state("cpu")
         torch.manual_seed(9)
         padded = pad_batch(batch, 4)
-        control(padded.input_ids, padded.positions, padded)
+        padded_out = control(padded.input_ids, padded.positions, padded)
         after_padded = rng_state("cpu")
-    assert_identical(replayed, real)
+    assert_identical(replayed, padded_out[:3])  # bitwise at the padded size
+    # At the real size: the same draws (the same rows dropped), values within GEMM rounding, which may
+    # differ per batch size (1.4e-6 in some rows on a 2-core CPU).
+    assert torch.equal(replayed == 0, real == 0)
+    torch.testing.assert_close(replayed, real, rtol=1e-5, atol=1e-5)
     assert runner.stats()["graph_runs"] == 1
     assert same_rng_state(after_replay, after_padded) and not same_rng_state(after_replay, after_real)
