@@ -23,9 +23,11 @@ Issue 33's rules:
 
 Issue 40's predictions, one probe each (the number is the issue's item):
 
-- 1 ``replay_during_another_capture``: while another thread captures, does a replay and an eager
-  draw raise "Offset increment outside graph capture" (torch <= 2.11: the generator's flag is the
-  process's), and does the replay work once that capture ended?
+- 1 ``replay_during_another_capture``: while another thread captures, does an eager draw and the
+  replay of a graph that drew random numbers raise "Offset increment outside graph capture" (torch
+  <= 2.11: the generator's flag is the process's), does the replay of a graph that drew nothing work
+  (every release: ``replay_prologue`` returns before ``increase()`` when the graph drew nothing,
+  pytorch#143777; issue 48), and do both replay once that capture ended?
 - 2 ``grouped_mm_fallback``: a ``grouped_mm`` with offsets captured in float32 and bfloat16: does
   each capture fail exactly where graphrt's ``grouped_mm_fallback_reason`` says it syncs (every
   dtype but bfloat16; bfloat16 off compute capability 9.x/10.x)?
@@ -234,13 +236,16 @@ def probe_second_capture_in_another_thread() -> Dict[str, Any]:
 
 def probe_replay_during_another_capture() -> Dict[str, Any]:
     x = torch.ones(4, device=DEVICE)
-    graph = _captured(lambda: x * 2)
-    replay_error, draw_error = _while_another_thread_captures(lambda: (_error_of(graph.replay), _draw()))
-    after = _error_of(graph.replay)
+    plain = _captured(lambda: x * 2)
+    drawing = _captured(lambda: x * torch.rand(4, device=DEVICE))  # its whole-graph increment is above 0
+    plain_error, drawing_error, draw_error = _while_another_thread_captures(
+        lambda: (_error_of(plain.replay), _error_of(drawing.replay), _draw()))
+    after = {"plain": _error_of(plain.replay), "drawing": _error_of(drawing.replay)}
     expected_raise = not torch_after_2_11()
-    return {"replay_error": replay_error, "draw_error": draw_error, "replay_error_after": after,
-            "expected_raise": expected_raise,
-            "agrees": bool(replay_error) == expected_raise and bool(draw_error) == expected_raise and after == ""}
+    return {"plain_replay_error": plain_error, "drawing_replay_error": drawing_error, "draw_error": draw_error,
+            "replay_errors_after": after, "expected_raise": expected_raise,
+            "agrees": plain_error == "" and bool(drawing_error) == expected_raise and bool(draw_error) == expected_raise
+            and after == {"plain": "", "drawing": ""}}
 
 
 def probe_first_capture_generator_segment() -> Dict[str, Any]:

@@ -41,9 +41,11 @@ pool memory holds whatever was there. The default CUDA generator's capture (``ca
 ``capture_begin``, ``capture_epilogue`` at the end of a successful ``capture_end``) sticks after an
 invalidated capture up to 2.11: every later eager draw raises "Offset increment outside graph
 capture" until a capture succeeds (pytorch#176752 runs the epilogue first). Up to 2.11 that flag is
-one for the process (issue 40): while any capture is under way, another thread's eager draw and
-every replay (``replay_prologue``) raise it; the first graph to register the generator allocates its
-seed and offset outside the pools (a 2 MiB segment). Captures on several streams at once are legal
+one for the process (issue 40): while any capture is under way, another thread's eager draw and the
+replay of a graph that drew (``replay_prologue``) raise it; a graph that drew nothing replays
+(``replay_prologue`` returns before ``increase()`` when its whole-graph increment is 0, pytorch#143777,
+from 2.7; issue 48). The first graph to register the generator allocates its seed and offset outside
+the pools (a 2 MiB segment). Captures on several streams at once are legal
 (``cudaStreamBeginCapture`` in ``thread_local`` mode). cuBLAS keeps one workspace per stream,
 allocated in the capture's pool on the first matmul captured there (32 MiB on the Hopper modelled,
 ``get_device_capability``) and reused by every later capture on that stream; from pytorch#175276
@@ -177,6 +179,7 @@ class FakeCUDAGraph:
         self.referenced = False  # beginAllocateToPool took a reference on pool_id
         self.capture_ended = False
         self.ops: List[RecordedOp] = []
+        self.drew = False  # its capture drew from the default generator (a whole-graph increment above 0)
         self.workspaces: List[object] = []  # the cuBLAS workspaces its kernels use
         self.pool_storages: Set[int] = set()  # the memory its capture allocated (data pointers)
         self.cuda.graphs.add(self)
@@ -230,7 +233,7 @@ class FakeCUDAGraph:
     def replay(self) -> None:
         if not self.capture_ended:
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
-        self.cuda.effects.check_replay()
+        self.cuda.effects.check_replay(self)
         self.cuda.effects.check_workspaces(self)
         with torch.no_grad(), _disable_current_modes():  # a launch: no dispatch mode sees its kernels
             for op in self.ops:
@@ -273,7 +276,7 @@ class RecordingMode(TorchDispatchMode):
             stream.invalidate()
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
         effects.check_reads(func, args, kwargs)
-        effects.check_draw(func, args, kwargs, stream.status != "none")
+        effects.check_draw(func, args, kwargs, stream)
         if stream.status != "active":
             return func(*args, **kwargs)
         with effects.writing_nothing(func, args, kwargs):
