@@ -219,7 +219,8 @@ def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int
     eagerly (``run_eager(EagerReason.REPLAY_FAILED, *eager_args)``). If eager raises too, the input
     was at fault: its error surfaces and the key stays in use. If eager succeeds, the graph was at
     fault: the key is disabled, unless the error was another capture's (``another_capture_error``:
-    torch <= 2.11 fails every replay while any capture of the process is under way). Without
+    torch <= 2.11 fails the replay of a graph that drew random numbers while any capture of the process
+    is under way). Without
     ``run_eager`` (lockstep: the peers replayed) the key is disabled and the replay's error surfaces."""
     try:
         return entry.replay(call, num_tokens, num_reqs)

@@ -1,8 +1,9 @@
 """What a reading of torch 2.11's CUDA path predicted for the first GPU run (issue 40), fixed before it.
 
 Each scenario runs real graphrt objects over tests/fake_cuda.py, which now models what the reading
-found: the default generator's one capture flag for the process (another thread's replay or eager
-draw raises while any capture is under way), captures legal on several streams at once, the cuBLAS
+found: the default generator's one capture flag for the process (another thread's eager draw, and the
+replay of a graph that drew random numbers, raise while any capture is under way; a graph that drew
+nothing replays, pytorch#143777: issue 48), captures legal on several streams at once, the cuBLAS
 workspace and the generator's seed and offset taking memory, a failed capture's pool reference that
 torch 2.11 never gives back. Marked ``cuda``, the same scenarios run on a GPU (the ``device``
 fixture of tests/test_cuda_pool.py); scripts/gpu_probe.py checks each modelled rule there.
@@ -84,11 +85,106 @@ def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device
     device.settle()
 
 
-def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks):
-    """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread):
-    torch <= 2.11 fails the replay; the step runs eagerly and the healthy key stays in use."""
+class WarmupPause(torch.nn.Module):
+    """``inner`` whose first warm-up (a run outside a real capture) tells ``warming`` and waits up to
+    ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits for the whole session."""
+
+    def __init__(self, inner: torch.nn.Module, warming: threading.Event, go: threading.Event,
+                 timeout: float = 10.0) -> None:
+        super().__init__()
+        self.inner, self.warming, self.go, self.timeout = inner, warming, go, timeout
+
+    def forward(self, input_ids, positions, forward_batch):
+        if not stream_really_captures() and not self.warming.is_set():
+            self.warming.set()
+            self.go.wait(timeout=self.timeout)
+        return self.inner(input_ids, positions, forward_batch)
+
+
+def test_a_step_in_another_thread_runs_during_a_captures_warm_ups(device, checks):
+    """Issue 48, item 3: the step lock is held around the recording only (torch <= 2.11 needs no more):
+    while another thread's capture session warms up (or compiles), a step of another runner replays at
+    once, and steps wait only for the recording itself (the test above). Before: every step waited for
+    the whole session, compile runs included."""
+    warming, go, served = threading.Event(), threading.Event(), threading.Event()
+    serving_model = checks.Misbehaving(device=device.name)
+    serving = checks.runner_for(serving_model, device.name, [2])
+    serving.capture()
+    capturing_runner = checks.runner_for(WarmupPause(checks.Misbehaving(device=device.name), warming, go),
+                                         device.name, [2])
+    capture = in_thread(capturing_runner.capture, device.fake)
+    assert warming.wait(timeout=10)
+    batch, got = checks.decode_batch(2, device.name, seed=1), []
+    server = in_thread(lambda: (got.append(serving(batch).clone()), served.set()), device.fake)
+    served_during_warm_up = served.wait(timeout=5)
+    go.set()
+    capture.join(timeout=30)
+    server.join(timeout=30)
+    assert served_during_warm_up, "the step waited for another thread's capture session"
+    assert torch.allclose(got[0], checks.eager(serving_model, batch), **checks.TOLERANCE)
+    assert serving.stats()["graph_runs"] == 1 and serving.stats()["eager_reasons"] == {}
+    assert statuses(capturing_runner) == {"decode/bs=2": READY}
+    device.settle()
+
+
+def test_a_users_own_draw_beside_a_capture_raises_on_2_11_unless_it_waits_in_no_recording(device, checks):
+    """Issue 48, item 3 (docs/MANUAL.md, "Random numbers while another thread captures"): graphrt cannot
+    lock out a draw it does not make; up to torch 2.11 one from the default generator raises while
+    another thread records, and ``graphrt.backends.no_recording()`` makes it wait for the recording."""
+    capturing, go = threading.Event(), threading.Event()
+    runner = checks.runner_for(CapturePause(checks.Misbehaving(device=device.name), capturing, go, timeout=10),
+                               device.name, [2])
+    capture = in_thread(runner.capture, device.fake)
+    assert capturing.wait(timeout=10)
+    process_wide = graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    try:
+        bare = _error_of_draw(device.name)
+        waited = threading.Timer(0.2, go.set)  # the recording ends a moment after the draw began to wait
+        waited.start()
+        with graphrt.backends.no_recording():  # waits where torch needs it (<= 2.11), holds nothing after
+            sample = torch.rand(4, device=device.name)
+        assert go.is_set() == process_wide, "the draw ran during the recording"
+    finally:
+        go.set()
+        capture.join(timeout=30)
+    assert bare.startswith("Offset increment outside graph capture") if process_wide else bare == "", bare
+    assert sample.shape == (4,) and statuses(runner) == {"decode/bs=2": READY}
+    device.settle()
+
+
+def _error_of_draw(device: str) -> str:
+    """"" when an eager draw from the default generator works, else its error's first line."""
+    try:
+        torch.rand(4, device=device)
+        return ""
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+
+
+class Drawing(torch.nn.Module):
+    """``inner`` whose step also draws from the default generator (noise scaled to nothing, so the step's
+    values are ``inner``'s): its graph has a whole-graph increment, so each replay advances the generator."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, positions, forward_batch):
+        logits = self.inner(input_ids, positions, forward_batch)
+        return logits + 0.0 * torch.rand_like(logits)
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["draws-nothing", "draws"])
+def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks, draws):
+    """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread). Up to
+    torch 2.11 a replay raises during it only if its graph drew random numbers (``replay_prologue``
+    returns before ``increase()`` for a graph that drew nothing, pytorch#143777): then the step runs
+    eagerly, whose own draw raises too, so the caller gets the error, and the healthy key stays in use.
+    A graph that drew nothing replays, on every release."""
     began, go = threading.Event(), threading.Event()
     model = checks.Misbehaving(device=device.name)
+    if draws:
+        model = Drawing(model)
     runner = checks.runner_for(model, device.name, [2])
     runner.capture()
 
@@ -103,16 +199,23 @@ def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(dev
     thread = in_thread(users_capture, device.fake)
     began.wait(timeout=10)
     batch = checks.decode_batch(2, device.name, seed=1)
+    raised = draws and graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    error = None
     try:
         during = runner(batch).clone()
+    except RuntimeError as caught:
+        error = caught
     finally:
         go.set()
         thread.join(timeout=30)
-    raised = graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    if raised:
+        assert error is not None and "Offset increment outside graph capture" in str(error)
+    else:
+        assert error is None, error
+        assert torch.allclose(during, checks.eager(model, batch), **checks.TOLERANCE)
     assert runner.stats()["eager_reasons"] == ({"replay_failed": 1} if raised else {})
     assert statuses(runner) == {"decode/bs=2": READY}
     assert checks.replay_equal_eager(runner, model, device.name, [2], 1) == 1
-    assert torch.allclose(during, checks.eager(model, batch), **checks.TOLERANCE)
     device.settle()
 
 

@@ -5,10 +5,13 @@ so smaller graphs reuse the blocks the largest reserved (``CudaPool``, graphrt/b
 has the allocator's rules). Around every capture, what a real GPU needs and no CPU run shows
 (issues 33 and 40; docs/RELIABILITY.md has a row each):
 
-- one capture session at a time in the process (``CAPTURE_LOCK``): up to torch 2.11 the default
-  generator's capture flag is process-wide, so a second capture would break the first one's random
-  numbers, and a session's device-wide ``synchronize()``/``empty_cache()`` would break a capture under
-  way (graphrt/backends/session.py; on such a torch graphrt's replays and eager steps take the lock too);
+- one recording at a time in the process (``recording()``: ``capture_begin`` to ``capture_end``, with the
+  synchronize and cache emptying before it): up to torch 2.11 the default generator's capture flag is
+  process-wide, so a second capture would break the first one's random numbers, and a session's
+  device-wide ``synchronize()``/``empty_cache()`` would break a capture under way. On such a torch
+  graphrt's steps, and a session's warm-ups, compile runs and verification, share the lock, so they
+  wait for another thread's recording only, never for its warm-ups or compile runs
+  (graphrt/backends/session.py);
 - the collector run and the cache emptied when a session begins and again before each capture, as
   ``torch.cuda.graph`` does: during a capture the allocator cannot free other pools' cached blocks, so
   the warm-ups' cached activations would stay reserved while the capture allocates them again;
@@ -32,7 +35,7 @@ import gc
 import logging
 import threading
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch.utils._pytree import tree_map
@@ -42,7 +45,7 @@ from graphrt.backends import cuda_pool
 from graphrt.backends.cuda_pool import (
     CAPTURE_ERROR_MODE, CudaPool, clear_cublas_workspaces, empty_capture, private_binding,
 )
-from graphrt.backends.session import CAPTURE_LOCK, gc_frozen
+from graphrt.backends.session import RECORDING_LOCK, recording, no_recording
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +80,35 @@ def non_owning_view(value: torch.Tensor) -> torch.Tensor:
             view, value.storage_offset(), value.size(), value.stride())
 
 
+_capture_path_threads: Set[int] = set()  # threads whose warm-ups see a capture under way
+_capture_path_lock = threading.Lock()
+_real_is_capturing: Optional[Callable[[], bool]] = None  # torch's, while the answer is patched
+
+
 @contextmanager
 def warmup_capture_path() -> Iterator[None]:
     """``torch.cuda.is_current_stream_capturing()`` answers True on this thread for the block (other
-    threads get the real answer): a warm-up takes the path its capture will take. Call under
-    ``CAPTURE_LOCK`` (one such block at a time in the process)."""
-    real = torch.cuda.is_current_stream_capturing
+    threads get the real answer; several threads' blocks may overlap: torch's function is back when the
+    last ends)."""
+    global _real_is_capturing
     thread = threading.get_ident()
+    with _capture_path_lock:
+        if not _capture_path_threads:
+            real = _real_is_capturing = torch.cuda.is_current_stream_capturing
 
-    def capturing() -> bool:
-        return True if threading.get_ident() == thread else real()
+            def capturing() -> bool:
+                return True if threading.get_ident() in _capture_path_threads else real()
 
-    torch.cuda.is_current_stream_capturing = capturing
+            torch.cuda.is_current_stream_capturing = capturing
+        _capture_path_threads.add(thread)
     try:
         yield
     finally:
-        torch.cuda.is_current_stream_capturing = real
+        with _capture_path_lock:
+            _capture_path_threads.discard(thread)
+            if not _capture_path_threads:
+                torch.cuda.is_current_stream_capturing = _real_is_capturing
+                _real_is_capturing = None
 
 
 def empty_cache_before_capture() -> None:
@@ -138,15 +154,18 @@ class CudaGraphBackend:
 
     @contextmanager
     def _session(self) -> Iterator[None]:
-        """One capture session in the process at a time; the collector runs, then the memory no graph
-        or output holds is freed (a capture cannot free it); the collector is off while it captures."""
-        with CAPTURE_LOCK:
-            torch.cuda.synchronize(self.device)
-            with gc_frozen():
+        """The collector runs, then the memory no graph or output holds is freed (a capture cannot free
+        it), out of any other thread's recording; the session's eager work shares the recording lock
+        (``no_recording``), each recording holds it alone."""
+        gc.collect()
+        with no_recording():
+            with RECORDING_LOCK:
+                torch.cuda.synchronize(self.device)
                 self.pool.release_unviewed()
                 torch.cuda.empty_cache()
-                yield
-            torch.cuda.synchronize(self.device)
+            yield
+            with RECORDING_LOCK:
+                torch.cuda.synchronize(self.device)
 
     def capture_session(self) -> AbstractContextManager:
         return self._session()
@@ -181,19 +200,20 @@ class CudaGraphBackend:
         return self._reserved()
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CudaGraph:
-        reserved_before = self._prepare_capture()
-        graph = self.new_graph(generators)
-        with self._on_capture_stream():
-            self.begin_capture(graph, generators)
-            try:
-                outputs = fn()
-            except BaseException:
-                self.abandon(graph, generators)
-                raise
-            self.end_capture(graph, generators)
-        outputs = tree_map(non_owning, outputs)
-        self.pool.viewed(outputs)
-        torch.cuda.synchronize(self.device)
+        with recording():
+            reserved_before = self._prepare_capture()
+            graph = self.new_graph(generators)
+            with self._on_capture_stream():
+                self.begin_capture(graph, generators)
+                try:
+                    outputs = fn()
+                except BaseException:
+                    self.abandon(graph, generators)
+                    raise
+                self.end_capture(graph, generators)
+            outputs = tree_map(non_owning, outputs)
+            self.pool.viewed(outputs)
+            torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._grown(reserved_before))
 
     def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "CudaPieces":
@@ -364,19 +384,21 @@ class CudaPieces:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
+        """The pieces and the splitting ops between them, as one recording (``session.recording``)."""
         backend = self.backend
-        reserved_before = backend._prepare_capture()
-        with backend.warmup_context():  # the capture stream
-            self._begin()
-            try:
-                yield
-            except BaseException:
-                if self.open is not None:
-                    backend.abandon(self.open, self.generators)
-                    self.open = None
-                raise
-            self._end()
-        torch.cuda.synchronize(backend.device)
+        with recording():
+            reserved_before = backend._prepare_capture()
+            with backend.warmup_context():  # the capture stream
+                self._begin()
+                try:
+                    yield
+                except BaseException:
+                    if self.open is not None:
+                        backend.abandon(self.open, self.generators)
+                        self.open = None
+                    raise
+                self._end()
+            torch.cuda.synchronize(backend.device)
         self.pool_bytes = backend._grown(reserved_before)
 
     def split(self, run: Callable[[], Any]) -> Any:
