@@ -112,7 +112,7 @@ class InputBuffers:
         self.device_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
         event = self.copy_events[self._current]
         if event is not None:
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream: the arena device's
             self._pending[self._current] = True
         self._staged = True
 
