@@ -235,6 +235,37 @@ def test_a_failed_captures_pool_is_freed_once_nothing_holds_it(behaviour, checks
         assert fake.allocator.asserts == [] and fake.aborts == []
 
 
+@pytest.mark.parametrize("behaviour", [TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES],
+                         ids=["fake-torch-2.7", "fake-torch-2.11", "fake-torch-pr190348"])
+def test_a_capture_begin_failing_after_its_pool_routing_gives_its_reference_back(behaviour, checks, monkeypatch):
+    """Issue 48, item 6: ``capture_begin`` takes the pool reference and routes the pool
+    (``beginAllocateToPool``) before ``cudaStreamBeginCapture``, which may fail; the graph's ``reset()``
+    gives back no reference of a capture that never ended (up to 2.11). graphrt ended the routing but kept
+    the reference, so the pool stayed reserved for the process's life; now the routing it ended says the
+    reference was taken, and it gives it back (never where torch's reset() does, pytorch#190348)."""
+    from fake_cuda import FakeStream
+
+    with install(monkeypatch, behaviour) as fake:
+        runner = checks.runner_for(checks.Misbehaving(device="cpu"), "cpu", [2, 4])
+        begin, failures = FakeStream.begin_capture, []
+
+        def begin_capture(stream, graph, mode):
+            if not failures and graph.ops == [] and stream.graph is None and fake.capturing_streams() == [] and \
+                    len(fake.pools_begun) >= 1:  # the first key's capture, after the pool's anchor
+                failures.append(graph)
+                raise RuntimeError("CUDA error: operation not supported (cudaStreamBeginCapture)")
+            return begin(stream, graph, mode)
+
+        monkeypatch.setattr(FakeStream, "begin_capture", begin_capture)
+        runner.capture()
+        assert failures and statuses(runner) == {"decode/bs=4": GraphStatus.FAILED, "decode/bs=2": READY}
+        del runner, failures
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert fake.allocator.graph_pools == {}, "a pool stays reserved for the process's life"
+        assert fake.allocator.asserts == [] and fake.aborts == [] and fake.allocator.captures_underway == []
+
+
 # ---- items 5 and 8: the cache emptied before each capture, nothing of it per call once captured --------
 
 class Logged(torch.nn.Module):

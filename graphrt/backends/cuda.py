@@ -279,15 +279,18 @@ class CudaGraphBackend:
            pool is freed once its graphs and views are gone. torch releases it in ``reset()`` from
            pytorch#190348 on, where a second release would drop a pool live graphs use (or abort on
            ``uc >= 0``): on a release after 2.11 that may lack it, a reference kept only keeps the
-           retired pool's memory reserved (docs/RELIABILITY.md). A ``capture_begin`` that raised
-           gives nothing back (whether it took the reference cannot be told)."""
+           retired pool's memory reserved (docs/RELIABILITY.md). A ``capture_begin`` that raised took
+           the reference if it routed the pool (``beginAllocateToPool`` takes it, then routes, then
+           ``cudaStreamBeginCapture`` may fail): a routing ended in step 2 says so (issue 48)."""
         clean = self._end_capture_cleanly(graph)
+        routed = False
         if not clean:
-            self._end_routing()
+            routed = self._end_routing()
             self.pool.abandon()
             self._end_generator_capture(generators)
         clear_cublas_workspaces()
-        unreleased = began and not capture_ended(graph)  # reset() gives back only an ended capture's reference
+        # reset() gives back only an ended capture's reference; a capture_begin that routed the pool took one
+        unreleased = (began or routed) and not capture_ended(graph)
         graph.reset()
         if unreleased:
             self._release_pool()
@@ -330,18 +333,21 @@ class CudaGraphBackend:
             logger.warning("could not give back a failed capture's graph pool %s (%s): its memory stays reserved",
                            self.pool.id, error)
 
-    def _end_routing(self) -> None:
+    def _end_routing(self) -> bool:
         """Stop the allocator routing this device's allocations to the pool, if it still does:
-        torch's ``_cuda_endAllocateToPool`` from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before."""
+        torch's ``_cuda_endAllocateToPool`` from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before.
+        True when it did (a routing was left on)."""
         end = private_binding("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
         if end is None:
             logger.warning("this torch has no binding to end a failed capture's pool routing: a later "
                            "torch.cuda.empty_cache() may fail")
-            return
+            return False
         try:
             end(torch.cuda.current_device(), self.pool.id)  # the capture stream's device (capture_begin's)
+            return True
         except RuntimeError as error:  # "not currently recording": capture_end ended it
             logger.debug("ending the pool routing after a failed capture: %s", error)
+            return False
 
 
 class CudaPiece:
