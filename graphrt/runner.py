@@ -84,8 +84,10 @@ class GraphRunner:
         self.buffers = self._static_slots(
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
         self.sampler: NextTokens = config.next_tokens if config.next_tokens is not None else greedy
-        self.backend = make_backend(self.backend_name, self.device)
-        self.registry = GraphRegistry(config.copy_outputs, self.debug)
+        shared = self._shared_graphs(config.share_graphs_with)
+        self.backend = make_backend(self.backend_name, self.device) if shared is None else shared.backend
+        self.registry = GraphRegistry(config.copy_outputs, self.debug,
+                                      None if shared is None else shared.registry.pool_replays)
         self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages,
                                    is_compiled(model),
                                    agree=self.lockstep.agree_capture if self.lockstep is not None else None)
@@ -113,6 +115,18 @@ class GraphRunner:
         self._graph_state_ready = False
 
     # ---- construction helpers ---------------------------------------------------------------
+
+    def _shared_graphs(self, other: Any) -> Optional["GraphRunner"]:
+        """The runner whose graph pool this one shares (``share_graphs_with``), checked: same backend and
+        device; None without one, or when graphs are off."""
+        if other is None or self.backend_name == "eager":
+            return None
+        if not isinstance(other, GraphRunner):
+            raise TypeError(f"share_graphs_with: expected a GraphRunner, got {type(other).__name__}")
+        if (other.backend_name, other.device) != (self.backend_name, self.device):
+            raise ValueError(f"share_graphs_with: expected a runner on backend {self.backend_name!r} and device "
+                             f"{self.device}, got one on {other.backend_name!r} and {other.device}")
+        return other
 
     def _initial_sizes(self) -> List[int]:
         sizes = self.config.capture_sizes

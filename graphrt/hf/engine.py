@@ -149,6 +149,7 @@ class HFEngine:
             requests, config = self._agreed("generate", prepare)
             counts = ServeCounts()
             with self._call(counts):
+                self.runners.prepare(graphs, steps_per_launch)  # every runner captured before the first step
                 step, launch = self._step_functions(graphs, steps_per_launch)
                 with torch.no_grad():
                     return serve(self.pools, step, launch, requests, config, counts,
@@ -171,6 +172,7 @@ class HFEngine:
             pools, device = self.pools, self.device
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
             with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad():
+                self.runners.prepare(graphs, 1)
                 step, _ = self._step_functions(graphs, 1)
                 while any(done < len(prompt) - 1 for done, prompt in zip(assigned, prompts)):
                     room, chunks = self.max_step_tokens, []
