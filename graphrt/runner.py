@@ -79,6 +79,8 @@ class GraphRunner:
         if config.histogram is not None:
             self._stats.merge_histogram(config.histogram)
         self.lockstep = Lockstep(config.process_group, config.cpu_group) if config.process_group is not None else None
+        if self.lockstep is not None and self.backend_name == "cuda":
+            self.lockstep.watch_replays(self.device)  # captured collectives are invisible to NCCL's watchdog
         self.capture_sizes = self._agreed(self._initial_sizes())
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
@@ -441,8 +443,12 @@ class GraphRunner:
         work = batch if batch is not None else empty_batch(agreed.mode, self.device)
         if decision.reason is None:
             self._check_cut(decision.entry, work)
-        tokens = self._decoder.run_decided(work, steps, fn, decision,
-                                           lambda step: self._lockstep_step(step, record=False))
+        def launch() -> torch.Tensor:
+            return self._decoder.run_decided(work, steps, fn, decision,
+                                             lambda step: self._lockstep_step(step, record=False))
+
+        replayed = decision.reason is None  # one replay of the multi-step key, watched; else agreed steps
+        tokens = self.lockstep.replayed(launch, f"the replay of {decision.entry.key}") if replayed else launch()
         return tokens if batch is not None else None
 
     def _step(
@@ -467,7 +473,10 @@ class GraphRunner:
             if decision.reason is not None:
                 return self._run_eager(decision.reason, batch, agreed, entry)
             num_reqs = batch.batch_size if entry.key.kind is KeyKind.FULL else PIECEWISE_REQS
-            return replay_or_eager(entry, batch, batch.num_tokens, num_reqs, run_eager, batch, agreed)
+            if agreed is None:
+                return replay_or_eager(entry, batch, batch.num_tokens, num_reqs, run_eager, batch, agreed)
+            return self.lockstep.replayed(lambda: replay_or_eager(entry, batch, batch.num_tokens, num_reqs, None),
+                                          f"the replay of {entry.key}")
 
     def _check_cut(self, entry: GraphEntry, batch: ForwardBatch) -> None:
         """Lockstep replays at the agreed size: the real rows of this rank must be cuttable."""

@@ -16,9 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_cuda import TORCH_2_11, install  # noqa: E402
 
 
+_INSTALLED = []  # the entered install() block, held: dropped, its generator would close and leave the recording mode
+
+
 def main(args: list) -> None:
     """Install the fake (never undone: the process ends with the command), then run the command line."""
-    install(pytest.MonkeyPatch(), TORCH_2_11).__enter__()
+    _INSTALLED.append(install(pytest.MonkeyPatch(), TORCH_2_11))
+    _INSTALLED[-1].__enter__()
     if args[0] == "-c":
         sys.argv = ["-c", *args[2:]]
         exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
