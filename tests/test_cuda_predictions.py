@@ -41,20 +41,29 @@ def in_thread(run: Callable[[], Any], fake) -> threading.Thread:
     return thread
 
 
-class CapturePause(torch.nn.Module):
-    """``checks.Misbehaving`` whose captures (not its warm-ups) tell ``capturing`` and wait up to
-    ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits for the capture."""
+class Pause(torch.nn.Module):
+    """``checks.Misbehaving`` whose runs inside a real capture (``in_capture``), or outside one (its warm-ups),
+    tell ``reached`` and wait up to ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits."""
 
-    def __init__(self, inner: torch.nn.Module, capturing: threading.Event, go: threading.Event,
-                 timeout: float = 0.3) -> None:
+    def __init__(self, inner: torch.nn.Module, reached: threading.Event, go: threading.Event,
+                 timeout: float = 0.3, in_capture: bool = True) -> None:
         super().__init__()
-        self.inner, self.capturing, self.go, self.timeout = inner, capturing, go, timeout
+        self.inner, self.reached, self.go, self.timeout, self.in_capture = inner, reached, go, timeout, in_capture
 
     def forward(self, input_ids, positions, forward_batch):
-        if stream_really_captures():
-            self.capturing.set()
+        if stream_really_captures() == self.in_capture:
+            self.reached.set()
             self.go.wait(timeout=self.timeout)
         return self.inner(input_ids, positions, forward_batch)
+
+
+def serving_beside_a_capture(device, checks, pause: Pause):
+    """A captured runner serving ``Misbehaving``, and another runner of ``pause`` capturing in a thread."""
+    model = checks.Misbehaving(device=device.name)
+    serving = checks.runner_for(model, device.name, [2])
+    serving.capture()
+    capturing_runner = checks.runner_for(pause, device.name, [2])
+    return model, serving, capturing_runner, in_thread(capturing_runner.capture, device.fake)
 
 
 def stream_really_captures() -> bool:
@@ -69,12 +78,8 @@ def stream_really_captures() -> bool:
 
 def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device, checks):
     capturing, go = threading.Event(), threading.Event()
-    serving_model = checks.Misbehaving(device=device.name)
-    serving = checks.runner_for(serving_model, device.name, [2])
-    serving.capture()
-    capturing_runner = checks.runner_for(CapturePause(checks.Misbehaving(device=device.name), capturing, go),
-                                         device.name, [2])
-    thread = in_thread(capturing_runner.capture, device.fake)
+    serving_model, serving, capturing_runner, thread = serving_beside_a_capture(
+        device, checks, Pause(checks.Misbehaving(device=device.name), capturing, go))
     capturing.wait(timeout=10)
     got = [serving(checks.decode_batch(2, device.name, seed=1))]  # torch <= 2.11: raised inside the capture
     go.set()
@@ -85,34 +90,14 @@ def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device
     device.settle()
 
 
-class WarmupPause(torch.nn.Module):
-    """``inner`` whose first warm-up (a run outside a real capture) tells ``warming`` and waits up to
-    ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits for the whole session."""
-
-    def __init__(self, inner: torch.nn.Module, warming: threading.Event, go: threading.Event,
-                 timeout: float = 10.0) -> None:
-        super().__init__()
-        self.inner, self.warming, self.go, self.timeout = inner, warming, go, timeout
-
-    def forward(self, input_ids, positions, forward_batch):
-        if not stream_really_captures() and not self.warming.is_set():
-            self.warming.set()
-            self.go.wait(timeout=self.timeout)
-        return self.inner(input_ids, positions, forward_batch)
-
-
 def test_a_step_in_another_thread_runs_during_a_captures_warm_ups(device, checks):
     """Issue 48, item 3: the step lock is held around the recording only (torch <= 2.11 needs no more):
     while another thread's capture session warms up (or compiles), a step of another runner replays at
     once, and steps wait only for the recording itself (the test above). Before: every step waited for
     the whole session, compile runs included."""
     warming, go, served = threading.Event(), threading.Event(), threading.Event()
-    serving_model = checks.Misbehaving(device=device.name)
-    serving = checks.runner_for(serving_model, device.name, [2])
-    serving.capture()
-    capturing_runner = checks.runner_for(WarmupPause(checks.Misbehaving(device=device.name), warming, go),
-                                         device.name, [2])
-    capture = in_thread(capturing_runner.capture, device.fake)
+    serving_model, serving, capturing_runner, capture = serving_beside_a_capture(
+        device, checks, Pause(checks.Misbehaving(device=device.name), warming, go, timeout=10, in_capture=False))
     assert warming.wait(timeout=10)
     batch, got = checks.decode_batch(2, device.name, seed=1), []
     server = in_thread(lambda: (got.append(serving(batch).clone()), served.set()), device.fake)
@@ -132,7 +117,7 @@ def test_a_users_own_draw_beside_a_capture_raises_on_2_11_unless_it_waits_in_no_
     lock out a draw it does not make; up to torch 2.11 one from the default generator raises while
     another thread records, and ``graphrt.backends.no_recording()`` makes it wait for the recording."""
     capturing, go = threading.Event(), threading.Event()
-    runner = checks.runner_for(CapturePause(checks.Misbehaving(device=device.name), capturing, go, timeout=10),
+    runner = checks.runner_for(Pause(checks.Misbehaving(device=device.name), capturing, go, timeout=10),
                                device.name, [2])
     capture = in_thread(runner.capture, device.fake)
     assert capturing.wait(timeout=10)
