@@ -203,5 +203,9 @@ def test_graph_runner_with_the_context_built_from_current_batch_replays():
         with torch.no_grad(), use_batch(batch):
             want = reference(batch.input_ids, batch.positions, batch)
         torch.testing.assert_close(got, want)
-    assert torch.equal(model.attention.cache[1:], reference.attention.cache[1:])
+    # The graph ran at 4 rows, the reference at 3: the rows written are the same (bitwise), their values
+    # agree within GEMM rounding, which may differ per batch size (tests/gemm_rounding.py).
+    written, expected = model.attention.cache[1:], reference.attention.cache[1:]
+    assert torch.equal(written != 0, expected != 0)
+    torch.testing.assert_close(written, expected, rtol=1e-5, atol=1e-5)
     assert runner.stats()["graph_runs"] == 3
