@@ -31,7 +31,7 @@ def group_timeout_s(group: Any) -> float:
     for device in ("cuda", "cpu"):
         try:
             timeout = group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # private API: any release may lack it
             continue
         if isinstance(timeout, datetime.timedelta):
             return timeout.total_seconds()
