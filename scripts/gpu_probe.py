@@ -6,8 +6,9 @@
 
 Every probe runs in one interpreter (one torch import, one CUDA context: issue 48 measured 13 cold
 interpreters at 60 to 110 s), in an order that keeps them apart: the process's first capture first
-(``first_capture_generator_segment`` measures it), memory measured from an emptied cache, and last the
-probes that may leave the process unfit for others (the default generator stuck after a failed
+(``first_capture_generator_segment`` measures it), memory measured from an emptied cache, the default
+generator's capture ended between two probes (``settle``), and last the probes that may leave the
+process unfit for others (the default generator stuck after a failed
 ``grouped_mm`` capture, an allocator assertion, freed memory a replay reads on a torch after 2.11). If
 that process dies, the probe it was running is reported with its exit code and the ones after it run in
 a new process. ``GPU_SESSION_LAUNCHER`` (a script put before the child's command line) and
@@ -417,6 +418,14 @@ def run_probe(name: str) -> Dict[str, Any]:
         return {"probe": name, "agrees": False, "error": f"{type(error).__name__}: {error}"}
 
 
+def settle() -> None:
+    """Between two probes of one process: the default generator's capture ended (a probe whose capture
+    failed leaves it on up to torch 2.11: graphrt's remedy, one empty capture) and the cache emptied."""
+    gc.collect()
+    _error_of(lambda: _captured(lambda: None).reset())
+    _error_of(torch.cuda.empty_cache)
+
+
 def child_command(*args: str) -> List[str]:
     """This script in a new interpreter (after ``GPU_SESSION_LAUNCHER``'s script, when set)."""
     launcher = os.environ.get("GPU_SESSION_LAUNCHER")
@@ -462,6 +471,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in names:
             results.append(run_probe(name))
             print(json.dumps(results[-1], default=str), flush=True)
+            settle()
         return 0 if all(result.get("agrees") for result in results) else 1
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}), flush=True)
