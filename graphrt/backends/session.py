@@ -33,7 +33,6 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 
-
 class RecordingLock:
     """Shared by steps, held alone by a recording; re-entrant per thread in both ways (a step inside a
     recording of the same thread shares it; a thread that shares it and records sets its shares aside
@@ -41,7 +40,8 @@ class RecordingLock:
     step without pause do not starve it."""
 
     def __init__(self) -> None:
-        self._condition = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # guards the fields; entered directly on a step's uncontended path
+        self._condition = threading.Condition(self._mutex)
         self._shared: Dict[int, int] = {}  # thread ident -> its nested shares
         self._writer: Optional[int] = None  # the recording thread
         self._depth = 0  # its nested exclusive holds
@@ -50,20 +50,25 @@ class RecordingLock:
 
     def acquire_shared(self) -> None:
         me = threading.get_ident()
+        with self._mutex:
+            shared = self._shared
+            if (self._writer is None and not self._waiting) or self._writer == me or me in shared:
+                shared[me] = shared.get(me, 0) + 1
+                return
         with self._condition:
-            if self._writer != me and me not in self._shared:
-                while self._writer is not None or self._waiting:
-                    self._condition.wait()
+            while self._writer is not None or self._waiting:
+                self._condition.wait()
             self._shared[me] = self._shared.get(me, 0) + 1
 
     def release_shared(self) -> None:
         me = threading.get_ident()
-        with self._condition:
+        with self._mutex:
             depth = self._shared[me] - 1
             if depth:
                 self._shared[me] = depth
-            else:
-                del self._shared[me]
+                return
+            del self._shared[me]
+            if self._waiting:
                 self._condition.notify_all()
 
     def acquire(self) -> None:
