@@ -43,7 +43,8 @@ from bench_floor import (
     one_op_runners,
     wrap_floor,
 )
-from bench_guards import DEPTHS, format_guards, guard_scaling, guard_summary
+from bench_guards import (DEPTHS, REREAD_DEPTHS, format_guards, format_reread, guard_scaling, guard_summary,
+                          reread_scaling, reread_summary)
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
     PRESETS,
@@ -376,7 +377,9 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "batches": batches,
         "floor": {"wrap": wrap_doc,
                   "targets": {**floor_targets(batches, wrap_doc["costs"], piecewise["steps"] if piecewise else []),
-                              **({"guards": guard_summary(guards["costs"])} if "costs" in guards else {})}},
+                              **({"guards": guard_summary(guards["costs"]),
+                                  "guards_reread": reread_summary(guards["reread"]["costs"])}
+                                 if "costs" in guards else {})}},
         "guards": guards,
         "throughput": {
             **dataclasses.asdict(throughput),
@@ -407,16 +410,18 @@ def hf_summary(settings: Settings) -> Dict[str, Any]:
 
 
 def guards_summary(settings: Settings) -> Dict[str, Any]:
-    """The guards' per-call cost on a tiny HF Llama at growing depths (bench_guards), or why it was skipped
-    (``--quick``: 2 and 8 layers only)."""
+    """The guards' per-call cost on a tiny HF Llama at growing depths, and their re-read after one assignment
+    (bench_guards), or why it was skipped (``--quick``: 2 and 8 layers only; the re-read at 2)."""
     if not settings.hf:
         return {"skipped": "--no-hf"}
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "transformers is not installed"}
     depths = DEPTHS[:2] if settings.quick else DEPTHS
-    timed = guard_scaling(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
-                          settings.warmup, depths)
-    return dataclasses.asdict(timed)
+    clock = Clock(settings.device, settings.sample_ms / 1e3)
+    timed = guard_scaling(settings.device, clock, settings.floor_iters, settings.warmup, depths)
+    reread = reread_scaling(settings.device, clock, settings.floor_iters, settings.warmup,
+                            REREAD_DEPTHS[:1] if settings.quick else REREAD_DEPTHS)
+    return {**dataclasses.asdict(timed), "reread": dataclasses.asdict(reread)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -446,7 +451,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     hf = doc["hf_generate"]
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     guards = doc["guards"]
-    print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(format_guards(guards)))
+    print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(
+        format_guards(guards) + format_reread(guards["reread"])))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     print("\n".join(format_targets(doc["floor"]["targets"])))
