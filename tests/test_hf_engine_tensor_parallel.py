@@ -110,6 +110,48 @@ def refusals(engine, prompts, rank: int) -> dict:
     return found
 
 
+def local_shape(tensor) -> tuple:
+    return tuple((tensor.to_local() if hasattr(tensor, "to_local") else tensor).shape)
+
+
+def serve_peft() -> dict:
+    """A PEFT LoRA model (adapters on q/v, colwise, and o/down, rowwise): its plan matched under the wrapper's
+    prefix, tokens against generate() on the unsharded PEFT model; then the plans graphrt refuses."""
+    import peft
+
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], r=4, lora_alpha=8,
+                           init_lora_weights=False)  # random A and B: adapters that change the tokens
+    model = peft.get_peft_model(tiny_model("llama"), lora).eval()
+    prompts = ragged_prompts(LENGTHS)
+    expected = generate_alone(model, prompts, NEW_TOKENS)
+    base_expected = generate_alone(tiny_model("llama"), prompts, NEW_TOKENS)
+    unsharded_bytes = weight_bytes(model)
+    engine = engine_for(model)
+    graphed = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS)
+    stats = engine.stats()
+    eager = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS, graphs=False)
+    attention = model.base_model.model.model.layers[0].self_attn
+    shapes = {name: local_shape(tensor) for name, tensor in (
+        ("q_base", attention.q_proj.base_layer.weight), ("q_lora_A", attention.q_proj.lora_A.default.weight),
+        ("q_lora_B", attention.q_proj.lora_B.default.weight), ("o_base", attention.o_proj.base_layer.weight),
+        ("o_lora_A", attention.o_proj.lora_A.default.weight), ("o_lora_B", attention.o_proj.lora_B.default.weight))}
+    refused = {}
+    unmatched = tiny_model("llama")
+    unmatched._tp_plan = {"decoder.blocks.*.attn.q_proj": "colwise", "decoder.blocks.*.attn.o_proj": "rowwise"}
+    dora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(target_modules=["q_proj"], use_dora=True)).eval()
+    for case, candidate in (("unmatched", unmatched), ("dora", dora)):
+        before = weight_bytes(candidate)
+        try:
+            engine_for(candidate)
+            refused[case] = None
+        except ValueError as error:  # refused before anything was sharded
+            refused[case] = (str(error), weight_bytes(candidate) == before and getattr(candidate, ATTRIBUTE, None) is None)
+    return dict(expected=expected, base_expected=base_expected, graphed=graphed, eager=eager, stats=stats,
+                rules=dict(getattr(model, ATTRIBUTE).rules), weight_bytes=(unsharded_bytes, weight_bytes(model)),
+                kv_heads=engine.layout.layers[0].num_kv_heads, shapes=shapes, refused=refused)
+
+
 def capture_fault(rank: int) -> dict:
     """Rank 1's head reads a host value when it has 2 rows, after every collective of the step: its recordings
     of the 2-row keys fail there only, and every rank runs those steps eagerly."""
@@ -161,6 +203,7 @@ def tp_worker(rank: int) -> dict:
     torch.set_num_threads(1)  # two ranks on two cores
     REPORT.clear()
     REPORT["families"] = {family: serve_family(family) for family in FAMILIES}
+    REPORT["peft"] = serve_peft()
     REPORT["capture_fault"] = capture_fault(rank)
     # Groups of their own (made now, while the ranks are together): a fault leaves its group unusable.
     hang_group, death_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -207,6 +250,35 @@ def test_each_rank_holds_its_shard_as_the_plan_says(reports):
     assert rules["qwen3-moe"]["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
     assert rules["gpt-oss"]["lm_head"] == "colwise_gather_output"  # its plan leaves attention whole
     assert served["gpt-oss"]["kv_heads"] == 2
+
+
+def test_a_peft_model_is_sharded_by_its_base_models_plan_and_serves_generates_tokens(reports):
+    for report in reports.values():
+        served = report["peft"]
+        assert served["expected"] != served["base_expected"]  # the adapters change the tokens
+        assert served["graphed"] == served["expected"] and served["eager"] == served["expected"]
+        assert served["stats"]["failed_keys"] == {} and served["stats"]["graph_runs"] > 0
+        rules = served["rules"]  # named as the wrapper names its modules
+        assert rules["base_model.model.model.layers.0.self_attn.q_proj"] == "colwise"
+        assert rules["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"] == "colwise"
+        assert rules["base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight"] == "rowwise"
+        assert rules["base_model.model.model.layers.0.self_attn.k_proj"] == "colwise"  # no adapter there
+        assert served["kv_heads"] == 1
+        shapes = served["shapes"]  # hidden 32 (4 heads of 8), LoRA rank 4: each rank its half of the heads
+        assert shapes["q_base"] == (16, 32) and shapes["q_lora_B"] == (16, 4) and shapes["q_lora_A"] == (4, 32)
+        assert shapes["o_base"] == (32, 16) and shapes["o_lora_A"] == (4, 16) and shapes["o_lora_B"] == (32, 4)
+        unsharded, sharded = served["weight_bytes"]
+        assert sharded < 0.6 * unsharded, (unsharded, sharded)
+
+
+def test_a_plan_that_matches_nothing_or_an_adapter_graphrt_cannot_shard_is_refused_unsharded(reports):
+    for report in reports.values():
+        refused = report["peft"]["refused"]
+        message, untouched = refused["unmatched"]
+        assert "LlamaForCausalLM: no plan entry matched its modules" in message and untouched
+        message, untouched = refused["dora"]
+        assert "base_model.model.model.layers.0.self_attn.q_proj is a peft.tuners.lora" in message
+        assert "no DoRA" in message and untouched
 
 
 def test_multi_step_launches_replay_with_the_collectives_inside(reports):
