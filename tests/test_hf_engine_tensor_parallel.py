@@ -83,6 +83,7 @@ def serve_family(family: str) -> dict:
         result["launched"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS, steps_per_launch=2)
         result["launch_stats"] = engine.stats()
         result["refusals"] = refusals(engine, prompts, dist.get_rank())
+        result["model_change"] = model_change(engine, model, prompts, dist.get_rank())
         if dist.get_rank() == 1:  # a Python value the step reads changes on rank 1: its guard fails there only
             model.lm_head.note = "changed"
         result["one_rank_changed"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
@@ -146,10 +147,28 @@ def serve_peft() -> dict:
             engine_for(candidate)
             refused[case] = None
         except ValueError as error:  # refused before anything was sharded
-            refused[case] = (str(error), weight_bytes(candidate) == before and getattr(candidate, ATTRIBUTE, None) is None)
+            untouched = weight_bytes(candidate) == before and getattr(candidate, ATTRIBUTE, None) is None
+            refused[case] = (str(error), untouched)
     return dict(expected=expected, base_expected=base_expected, graphed=graphed, eager=eager, stats=stats,
                 rules=dict(getattr(model, ATTRIBUTE).rules), weight_bytes=(unsharded_bytes, weight_bytes(model)),
                 kv_heads=engine.layout.layers[0].num_kv_heads, shapes=shapes, refused=refused)
+
+
+def model_change(engine, model, prompts, rank: int) -> dict:
+    """The model's config changed on rank 1 only (refused on every rank, before any probe or step), then on every
+    rank (each rank probes the shard again, in lockstep, and serves on)."""
+    found = {}
+    if rank == 1:
+        model.config.use_cache = False
+    try:
+        engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        found["one_rank"] = None
+    except ValueError as error:
+        found["one_rank"] = str(error)
+    model.config.use_cache = False
+    found["every_rank"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    model.config.use_cache = True
+    return found
 
 
 def capture_fault(rank: int) -> dict:
@@ -297,6 +316,13 @@ def test_a_call_refused_on_one_rank_is_refused_on_every_rank_before_any_step(rep
         assert "num_key_value_heads=1, which 2 ranks do not divide" in refused["kv_heads"]
     assert one["rank1_bad"].startswith("prompts[0][1]: token id 999")
     assert zero["rank1_bad"].startswith("generate: refused on rank 1: ValueError: prompts[0][1]")
+
+
+def test_a_model_changed_on_one_rank_is_refused_on_every_rank_and_followed_when_every_rank_changed_it(reports):
+    for report in reports.values():
+        llama = report["families"]["llama"]
+        assert "ranks were called with different arguments" in llama["model_change"]["one_rank"]
+        assert llama["model_change"]["every_rank"] == llama["expected"]
 
 
 def test_a_capture_failing_on_one_rank_runs_that_key_eagerly_on_every_rank(reports):
