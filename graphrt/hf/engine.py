@@ -161,7 +161,8 @@ class HFEngine:
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
         none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
-        Calls from several threads run one at a time."""
+        A request that would grow past the length at which the model's ``generate()`` computes its cache
+        again (Phi-3's long rotary factors) is refused by name. Calls from several threads run one at a time."""
         def prepare() -> Tuple[Tuple[List[Request], ServeConfig], Any]:
             _refuse_training(self.model)
             checked = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts

@@ -9,8 +9,9 @@ step packs several requests, and prefills a long prompt in chunks: the model's o
 every token of a step the frequencies of the step's largest position. ``RequestRopes`` gives each token
 the frequencies ``generate()`` of its request alone gives it, on a freshly loaded model:
 
-* which modules: those called with ``position_ids`` in the probe step (``rotary_calls``) whose rows for
-  the first positions differ between a 2-token and a ``max_context``-token forward (``LengthRope``);
+* which modules: those called with ``position_ids`` in the probe step (``rotary_calls``) whose row at
+  position 1 differs between a forward of that position alone and one of ``max_context`` tokens
+  (``LengthRope``);
   every computation runs the module's own forward on a private copy, its state put back after each run;
 * decode steps (full graphs): a table of each position's cos and sin as a forward of that position alone
   gives them, gathered by position on the device (built with a forward per range of positions whose
@@ -23,11 +24,11 @@ Such a module's ``forward`` is replaced once, for good, by ``RopeDispatch``, whi
 steps this way and calls the module's own forward everywhere else.
 
 Phi-3's ``generate()`` does one more thing (Phi-3, PhiMoE, Phi-4-multimodal: their
-``prepare_inputs_for_generation``): when a request that started at most ``original_max_position_embeddings``
-tokens long reaches one token more, it drops the request's cache and computes every token again, with the
-long factors. The engine does not recompute a request's cache: ``RequestRopes.check_requests`` refuses by
-name a request that would cross such a point (found by asking the model's own
-``prepare_inputs_for_generation`` at the lengths its config names).
+``prepare_inputs_for_generation``): when a request that started at most
+``original_max_position_embeddings`` tokens long reaches one token more, it drops the request's cache and
+computes every token again, with the long factors. The engine does not recompute a request's cache:
+``RequestRopes.check_requests`` refuses by name a request that would cross such a point (found by asking
+the model's own ``prepare_inputs_for_generation`` at the lengths its config names).
 """
 
 from __future__ import annotations
