@@ -103,9 +103,8 @@ def test_the_model_outside_the_engine_keeps_its_own_rotary_forward(served):
     assert alone(model, prompts[:2]) == served["expected"][:2]
 
 
+@pytest.mark.parametrize("served", ["phi3-longrope"], indirect=True)  # Phi-3's generate() alone does this
 def test_a_phi3_request_whose_generate_would_compute_its_cache_again_is_refused_by_name(served):
-    if served["kind"] != "phi3-longrope":
-        pytest.skip("only Phi-3's generate() computes a request's cache again at its switch point")
     engine, crossing = served["engine"], ragged_prompts([14], seed=3)
     with pytest.raises(ValueError, match=r"prompts\[0\]: Phi3ForCausalLM's generate\(\) computes a request's cache "
                                          r"again, .* when it reaches 17 tokens .* serve it with at most 3 new tokens"):
