@@ -6,7 +6,11 @@ model's own modules and weights: it calls the model on the packed step (``[1, nu
 paged attention (``graphrt.hf.paged_attention``) for the call, so the keys and values live in graphrt's
 KV pools and every request's history is read through the request table (or its window's ring). A probe
 step (``graphrt.hf.engine_probe``) reads each layer's shapes, window, KV sharing and mask first, and
-refuses by name a model whose mask says more than causal attention in its window. ``generate`` serves
+refuses by name a model whose mask says more than causal attention in its window; rotary embeddings whose
+frequencies depend on the forward's length give each request its own (``graphrt.hf.request_rope``). Each
+call first checks whether what the probe read changed since (the config's values, a tensor's dtype or
+device: ``graphrt.hf.model_state``): then the model is probed again and, when the probe reads otherwise,
+the KV pools and runners are made anew (their keys captured again). ``generate`` serves
 prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
 (``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
 call at a time (a lock per engine), choosing tokens per request as ``generate()`` does
@@ -26,11 +30,12 @@ import torch
 
 from graphrt.batch import ForwardBatch
 from graphrt.config import RunnerConfig
-from graphrt.hf.engine_probe import plan_layout, probe_layers, refusal
+from graphrt.hf.engine_probe import ProbedModel, refusal
 from graphrt.hf.engine_ranks import EngineRanks
 from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
-from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention
+from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
+from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import GenerationRules, RequestTokens
 from graphrt.hf.serve import Request, ServeConfig, ServeCounts, held_rows, serve
 from graphrt.hf.tensor_parallel import shard_model
@@ -77,27 +82,62 @@ class HFEngine:
             runner_options = {**runner_options, "cpu_group": self.ranks.cpu_group}
             shard_model(model, self.ranks.group)
         register_paged_attention()
-        slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
-        probed = probe_layers(model, lambda name: attention_implementation(model.config, name))
-        layout = plan_layout(model, probed, max_requests + 1, max_context, max_step_tokens, slots)
         self.model = model
         self.max_requests = max_requests
         self.max_context = max_context
         self.max_step_tokens = max_step_tokens
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.layout = layout
-        self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, self.device),
-                                LayeredKVPool(layout, self.device))
+        self._slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
+        self._backend = backend
+        self._runner_options = runner_options
         self._lock = threading.RLock()
-        self.runners = EngineRunners(self, self.pools, layout, backend, self.device, max_requests, max_step_tokens,
-                                     runner_options, self._lock)
         self._stats: Dict[str, Any] = {}
         self._model_calls = 0
         self._in_runner = 0.0  # seconds in the runners' calls during the current call
         self._in_decode = 0.0  # of those, in decode steps and launches
-        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s", type(model).__name__, slots,
-                    layout.pool_bytes() / 2**20, layout.describe())
+        self._serve_probed(self._probe())
+
+    def _probe(self) -> ProbedModel:
+        reason = refusal(self.model)
+        if reason is not None:
+            raise ValueError(f"model: {reason}")
+        return ProbedModel.of(self.model, lambda name: attention_implementation(self.model.config, name),
+                              self.max_requests + 1, self.max_context, self.max_step_tokens, self._slots)
+
+    def _serve_probed(self, probed: ProbedModel) -> None:
+        """Make what serving takes from ``probed``: KV pools of its layout (a previous build's dropped first),
+        its rotary embeddings attached to them, runners (their keys captured on first use)."""
+        self.runners = self.pools = None  # type: ignore[assignment]  # the old KV buffers go before new ones come
+        self.probed, self.layout, self.device, self.vocab_size = probed, probed.layout, probed.device, probed.vocab_size
+        self.pools = CachePools(ReqToTokenPool(self.max_requests + 1, self.max_context, self.device),
+                                LayeredKVPool(probed.layout, self.device))
+        probed.ropes.attach(self.pools.req_to_token)
+        options = dict(self._runner_options)
+        if probed.ropes.ropes:  # each request's rotary frequencies are planned on the host in prefill steps
+            options["splitting_ops"] = [*(options.get("splitting_ops") or splitting_ops(probed.layout)),
+                                        REQUEST_ROPE_OP]
+        self.runners = EngineRunners(self, self.pools, probed.layout, self._backend, self.device, self.max_requests,
+                                     self.max_step_tokens, options, self._lock)
+        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s",
+                    type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
+                    probed.layout.describe(), probed.ropes.describe())
+
+    def _follow_model(self, changes: List[str]) -> None:
+        """After ``changes`` (what differs from what the probe read, ``ModelState.changes``): the model probed
+        again and, when the probe reads otherwise, KV pools and runners made anew. ValueError naming the
+        changes when the changed model cannot be served."""
+        if not changes:
+            return
+        try:
+            probed = self._probe()
+        except ValueError as error:
+            raise ValueError(f"model: changed since the engine was built ({'; '.join(changes)}) and can no longer "
+                             f"be served: {str(error).removeprefix('model: ')}") from error
+        if self.probed.serves_like(probed):
+            self.probed.state.accept()
+            return
+        logger.warning("engine: the model changed since it was probed (%s): probed again, KV pools and runners made "
+                       "anew (their keys are captured again)", "; ".join(changes))
+        self._serve_probed(probed)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] (float32) of the packed step: the model on ``[1, num_tokens]``."""
@@ -121,11 +161,13 @@ class HFEngine:
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
         none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
-        Calls from several threads run one at a time."""
+        A request that would grow past the length at which the model's ``generate()`` computes its cache
+        again (Phi-3's long rotary factors) is refused by name. Calls from several threads run one at a time."""
         def prepare() -> Tuple[Tuple[List[Request], ServeConfig], Any]:
             _refuse_training(self.model)
             checked = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
             arrived = self._checked(checked, max_new_tokens, arrivals, steps_per_launch, sampling)
+            self.probed.ropes.check_requests(checked, max_new_tokens)
             eos = self._eos_ids(eos_token_id)
             stops = self._stops(stop_token_ids, len(checked))
             config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
@@ -150,7 +192,9 @@ class HFEngine:
             counts = ServeCounts()
             with self._call(counts):
                 step, launch = self._step_functions(graphs, steps_per_launch)
-                with torch.no_grad():
+                lengths = self.probed.ropes.serving(lambda: {request.row: len(request.prompt) for request in requests
+                                                             if request.row})
+                with torch.no_grad(), lengths:
                     return serve(self.pools, step, launch, requests, config, counts,
                                  None if self.ranks is None else self.ranks.share_tokens)
 
@@ -170,7 +214,8 @@ class HFEngine:
             prompts = self._agreed("prompt_logits", prepare)
             pools, device = self.pools, self.device
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
-            with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad():
+            with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad(), \
+                    self.probed.ropes.serving(lambda: dict(zip(rows, map(len, prompts)))):
                 step, _ = self._step_functions(graphs, 1)
                 while any(done < len(prompt) - 1 for done, prompt in zip(assigned, prompts)):
                     room, chunks = self.max_step_tokens, []
@@ -210,10 +255,14 @@ class HFEngine:
 
     def recapture(self) -> None:
         """Capture every runner's graphs again under the state of now (after weights were rebound, or a
-        key was disabled by replay faults); the KV pools and what they hold stay."""
+        key was disabled by replay faults); the KV pools and what they hold stay, unless what the probe read
+        changed (a dtype, a window): then the model is probed again first, as every call does."""
         with self._lock:
             _refuse_training(self.model)
-            self.runners.recapture()
+            runners = self.runners
+            self._agreed("recapture", lambda: (None, ()))
+            if self.runners is runners:  # not made anew for a changed model
+                runners.recapture()
 
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
@@ -227,15 +276,20 @@ class HFEngine:
     def _agreed(self, call: str, prepare: Callable[[], Tuple[Any, Any]]) -> Any:
         """The checked inputs ``prepare()`` returns beside what names the call's arguments; in tensor
         parallel, every rank's refusal and arguments are agreed on first (``EngineRanks.agree_call``: a
-        call one rank refuses is refused on every rank, before any step)."""
+        call one rank refuses is refused on every rank, before any step). What the probe read is checked first
+        (``_follow_model``; in tensor parallel its changes are agreed on with the arguments, then every rank
+        probes again together)."""
+        changes = self.probed.state.changes()
         if self.ranks is None:
+            self._follow_model(changes)
             return prepare()[0]
         checked, arguments, error = None, None, None
         try:
             checked, arguments = prepare()
         except (TypeError, ValueError) as caught:
             error = caught
-        self.ranks.agree_call(call, error, arguments)
+        self.ranks.agree_call(call, error, (arguments, changes))
+        self._follow_model(changes)
         return checked
 
     @contextmanager
