@@ -29,7 +29,7 @@ NEW_TOKENS = 5
 
 
 def free_capacity(engine):
-    return engine.pools.kv.available, engine.pools.req_to_token.available
+    return engine.slots.available, engine.slots.free_rows
 
 
 def test_runners_captured_in_any_order_keep_every_graph_right(llama, engine):

@@ -1,0 +1,239 @@
+"""One engine step on the device: one pinned copy in, the runner, the tokens chosen on the device, one read out.
+
+``EngineSteps`` runs the work ``ServeLoop`` schedules (graphrt.hf.serve) for one ``generate`` call. A
+step is written into the host half of graphrt.host's double-buffered arena (``write_requests``, the
+one batch-building path of host-built batches, plus the engine's own regions: where the step's KV
+slots go in the request table, where a decode's input id comes from, the chosen rows' ids and sampling
+parameters) and staged with one non-blocking copy from pinned memory. On the device, with no read:
+the request table takes the step's slots (one ``index_copy_``), a decode whose last token was never
+read takes it from the tokens the previous step chose (one ``index_select`` over the arena), the
+token history takes the step's ids where the call's rules read them, then the runner runs the batch
+and the call's ``TokenChooser`` writes each chosen row's token into the arena's ``tokens`` region,
+copied back into the host half with one non-blocking copy. ``read`` waits for that copy: the one
+synchronization of a step. Nothing here assigns to an object a guard watches: per step only locals,
+the arena and the engine's counters (a plain object of their own) change.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from graphrt.batch import ForwardBatch, ForwardMode
+from graphrt.hf.engine_runners import EngineRunners
+from graphrt.hf.logits_rules import RowIds
+from graphrt.hf.request_sampling import FLOAT_PARAMETERS, ChosenRows, TokenChooser
+from graphrt.hf.serve import StepWork
+from graphrt.host.arena import CopyBack, InputBuffers
+from graphrt.host.input_batch import write_requests
+from graphrt.reference import CachePools
+
+PARAMETER_COLUMNS = 8  # float32 columns per chosen row in the arena (FLOAT_PARAMETERS, padded to whole int64s)
+
+
+@dataclass
+class EngineCounters:
+    """The engine's counts during a call (a plain object of their own: the engine itself is read by guards,
+    and an assignment to it would move the state epoch): model calls (eager steps run the model's Python),
+    seconds in the runners, of those in decode steps, and the last call's statistics."""
+
+    model_calls: int = 0
+    runner_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stats: Optional[dict] = None
+
+
+class StepArena:
+    """The engine's staging memory, kept across calls: the arena (sized for ``steps`` decode steps per
+    launch), the ids of a step whose decodes read the last step's tokens, and the token history (each
+    request row's ids, for rules and penalties; made on first use)."""
+
+    def __init__(self, pools: CachePools, device: torch.device, max_requests: int, max_step_tokens: int,
+                 events: bool) -> None:
+        self.pools = pools
+        self.device = device
+        self.max_requests = max_requests
+        self.max_step_tokens = max_step_tokens
+        self.events = events
+        self.table = pools.req_to_token.req_to_token.view(-1)
+        self.buffers: Optional[InputBuffers] = None
+        self.steps = 0
+        self.history: Optional[torch.Tensor] = None
+        self.ids = torch.zeros(max_step_tokens, dtype=torch.int64, device=device)
+
+    def ready(self, steps: int, history: bool) -> None:
+        """Sized for launches of ``steps`` decode steps (per call; reallocated only to grow), the history made."""
+        if self.buffers is None or steps > self.steps:
+            rows, tokens = self.max_requests, max(self.max_step_tokens, self.max_requests * steps)
+            self.buffers = InputBuffers.allocate(
+                rows, tokens, device=self.device, events=self.events,
+                extra_regions={"table_index": tokens, "id_source": self.max_step_tokens, "chosen_rows": rows,
+                               "chosen_table_rows": rows, "chosen_lengths": rows, "chosen_prompt_lengths": rows,
+                               "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2},
+                result_regions={"tokens": rows * steps})
+            self.steps = steps
+        if history and self.history is None:
+            self.history = torch.zeros_like(self.pools.req_to_token.req_to_token)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step: its chosen tokens on their way to the host (None: it chose none)."""
+
+    copied: Optional[CopyBack]
+
+
+class EngineSteps:
+    """The executor of one call: its runners (graphs or eager, steps per launch) and token choice."""
+
+    def __init__(self, arena: StepArena, runners: EngineRunners, counters: EngineCounters, graphs: bool,
+                 steps_per_launch: int, chooser: Optional[TokenChooser]) -> None:
+        arena.ready(steps_per_launch, chooser is not None and chooser.needs_ids)
+        self.arena = arena
+        self.buffers = arena.buffers
+        self.runners = runners
+        self.counters = counters
+        self.graphs = graphs
+        self.steps_per_launch = steps_per_launch
+        self.chooser = chooser
+        self.history = arena.history.view(-1) if chooser is not None and chooser.needs_ids else None
+        self.context = dict(req_to_token_pool=arena.pools.req_to_token, token_to_kv_pool=arena.pools.kv)
+        buffers = self.buffers
+        self.ids_offset = buffers.regions["input_ids"][0]
+        self.tokens_offset = buffers.regions["tokens"][0]
+        self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
+
+    def launch(self, work: StepWork) -> Tuple[Launched, int]:
+        """Run ``work`` and start copying its chosen tokens back; how many steps ran the model eagerly."""
+        output, eager = self.run(work)
+        buffers, chosen = self.buffers, len(work.sampled)
+        if not chosen:
+            return Launched(None), eager
+        device = buffers.device_views
+        if work.steps > 1:  # [steps, rows] greedy tokens of a launch, step-major
+            return Launched(buffers.copy_back("tokens", output.reshape(-1))), eager
+        rows = output if work.mode is ForwardMode.DECODE else output.index_select(0, device["chosen_rows"][:chosen])
+        tokens = device["tokens"][:chosen]
+        self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
+        return Launched(buffers.copy_back("tokens", tokens)), eager
+
+    def read(self, launched: Launched) -> List[int]:
+        """The tokens of a launched step, on the host: the step's one wait."""
+        return [] if launched.copied is None else self.buffers.read_back(launched.copied)
+
+    def run(self, work: StepWork) -> Tuple[torch.Tensor, int]:
+        """Stage ``work`` and run it: the runner's output (logits of its tokens, or a launch's tokens) and
+        how many steps ran the model eagerly."""
+        batch = self._stage(work)
+        key, runner = self.runners.for_batch(self.graphs, batch, self.steps_per_launch, work.steps)
+        counters = self.counters
+        calls, start = counters.model_calls, time.perf_counter()
+        output = runner(batch) if work.steps == 1 else runner.decode(batch, work.steps)
+        seconds = time.perf_counter() - start
+        counters.runner_seconds += seconds
+        if work.mode is ForwardMode.DECODE:
+            counters.decode_seconds += seconds
+        eager = counters.model_calls - calls
+        if eager:
+            self.runners.after_eager_step(key, runner)
+        return output, eager
+
+    # ---- staging ----------------------------------------------------------------------------------
+
+    def _stage(self, work: StepWork) -> ForwardBatch:
+        """``work`` written into the host arena, staged with one copy, the device table and ids made ready."""
+        buffers = self.buffers
+        buffers.wait_host_free()
+        host, device = buffers.host_views, buffers.device_views
+        requests = len(work.requests)
+        counts = np.array(work.counts, dtype=np.int64)
+        starts = np.array(work.starts, dtype=np.int64)
+        rows = np.array([request.row for request in work.requests], dtype=np.int64)
+        slots, table_index = work.slots, work.table_index
+        if work.steps > 1:  # one token per request; every step's slots, step-major (GraphRunner.decode)
+            ids = np.array([chunk[0] for chunk in work.chunks], dtype=np.int64)
+            positions, new_tokens = starts, np.ones(requests, dtype=np.int64)
+            slots = slots.reshape(requests, work.steps).T.reshape(-1)
+            table_index = table_index.reshape(requests, work.steps).T.reshape(-1)
+        elif work.mode is ForwardMode.DECODE:
+            ids = np.array([chunk[0] for chunk in work.chunks], dtype=np.int64)
+            positions, new_tokens = starts, counts
+        else:
+            ids = np.fromiter((token for chunk in work.chunks for token in chunk), dtype=np.int64,
+                              count=int(counts.sum()))
+            ends = np.cumsum(counts)
+            positions = np.arange(ends[-1], dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
+            new_tokens = counts
+        tokens = ids.shape[0]
+        seq_lens = starts + new_tokens
+        write_requests(host, 0, 0, ids, positions, slots, new_tokens, seq_lens, rows)
+        host["table_index"][:table_index.shape[0]] = table_index
+        if work.carried:
+            source = host["id_source"]
+            source[:tokens] = np.arange(self.ids_offset, self.ids_offset + tokens)
+            for token, row in work.carried:
+                source[token] = self.tokens_offset + row
+        if work.sampled and work.steps == 1:
+            self._write_chosen(work, host, rows, seq_lens, counts)
+        buffers.stage(requests)
+        self.arena.table.index_copy_(0, device["table_index"][:slots.shape[0]], device["out_cache_loc"][:slots.shape[0]])
+        input_ids = device["input_ids"][:tokens]
+        if work.carried:
+            input_ids = torch.index_select(buffers.device_arena, 0, device["id_source"][:tokens],
+                                           out=self.arena.ids[:tokens])
+        if self.history is not None:
+            self.history.index_copy_(0, device["table_index"][:tokens], input_ids)
+        fields = dict(forward_mode=work.mode, batch_size=requests, input_ids=input_ids,
+                      req_pool_indices=device["req_pool_indices"][:requests], seq_lens=device["seq_lens"][:requests],
+                      out_cache_loc=device["out_cache_loc"][:slots.shape[0]], seq_lens_sum=int(seq_lens.sum()),
+                      seq_lens_cpu=torch.from_numpy(host["seq_lens"][:requests]), positions=device["positions"][:tokens],
+                      **self.context)
+        if work.mode.is_extend():
+            fields.update(extend_num_tokens=tokens, extend_seq_lens=device["extend_seq_lens"][:requests],
+                          extend_prefix_lens=device["extend_prefix_lens"][:requests],
+                          extend_start_loc=device["query_start_loc"][:requests],
+                          extend_prefix_lens_cpu=work.starts, extend_seq_lens_cpu=work.counts)
+        return ForwardBatch(**fields)
+
+    def _write_chosen(self, work: StepWork, host: Any, rows: np.ndarray, seq_lens: np.ndarray,
+                      counts: np.ndarray) -> None:
+        """What the chooser reads of the chosen rows: their token rows (a prefill step's last token of each),
+        and where the call's rules or sampling read them, their ids' rows and lengths and their parameters."""
+        chosen, sampled = len(work.sampled), np.array(work.sampled, dtype=np.int64)
+        if work.mode is not ForwardMode.DECODE:
+            host["chosen_rows"][:chosen] = np.cumsum(counts)[sampled] - 1
+        chooser = self.chooser
+        if chooser.greedy:
+            return
+        indices = np.array([work.requests[position].index for position in work.sampled], dtype=np.int64)
+        if chooser.needs_ids:
+            host["chosen_table_rows"][:chosen] = rows[sampled]
+            host["chosen_lengths"][:chosen] = seq_lens[sampled]
+            host["chosen_prompt_lengths"][:chosen] = chooser.prompt_lengths[indices]
+        if chooser.sampled:
+            params = host["chosen_params"].view(np.float32).reshape(-1, PARAMETER_COLUMNS)
+            params[:chosen, :len(FLOAT_PARAMETERS)] = chooser.params[indices]
+            host["chosen_top_ks"][:chosen] = chooser.top_ks[indices]
+
+    def _chosen_rows(self, work: StepWork, chosen: int) -> ChosenRows:
+        """The device views of what ``_write_chosen`` staged."""
+        chooser, device = self.chooser, self.buffers.device_views
+        if chooser.greedy:
+            return ChosenRows(None, None, None, ())
+        requests = [work.requests[position].index for position in work.sampled]
+        ids = None
+        if chooser.needs_ids:
+            width = max(work.starts[position] + work.counts[position] for position in work.sampled)
+            table_rows = self.arena.history.index_select(0, device["chosen_table_rows"][:chosen])[:, :width]
+            ids = RowIds(table_rows, device["chosen_lengths"][:chosen], device["chosen_prompt_lengths"][:chosen])
+        if not chooser.sampled:
+            return ChosenRows(ids, None, None, requests)
+        return ChosenRows(ids, self.params[:chosen, :len(FLOAT_PARAMETERS)], device["chosen_top_ks"][:chosen],
+                          requests)
+
+
+__all__ = ["EngineCounters", "EngineSteps", "Launched", "StepArena"]
