@@ -27,6 +27,7 @@ import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.config import RunnerConfig
+from graphrt.hf.attention_plan import new_step
 from graphrt.hf.engine_probe import plan_layout, probe_layers, refusal
 from graphrt.hf.engine_ranks import EngineRanks
 from graphrt.hf.engine_runners import EngineRunners
@@ -107,6 +108,7 @@ class HFEngine:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] (float32) of the packed step: the model on ``[1, num_tokens]``."""
         self._counters.model_calls += 1
+        new_step()  # this call plans its own attention (a capture's warm-ups and recording each run one)
         with attention_implementation(self.model.config, ATTENTION_NAME):
             output = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                                 use_cache=False)
