@@ -4,24 +4,27 @@
 
 "Host" is a decode step's time minus the time spent inside graph replays: what graphrt's engine adds to
 the graph it replays (scheduling, batch building and staging, the runner's call, sampling, reading the
-tokens). Each figure is the difference of two ``generate()`` calls of the same prompts (4 tokens each,
-``eos_token_id=None``) that differ only in how many tokens they generate, divided by the extra decode
-steps, so the prefill and each call's setup cancel; each call is the best of ``--repeats``. Two clocks:
-this thread's CPU time (``time.thread_time``: what the step costs the host, unmoved by other processes
-on a shared machine; torch runs on one thread here) and wall time. The model is a tiny random Llama
-(hidden 64, intermediate 128, head_dim 16) at each depth of ``--layers``; the engine captures decode
-graphs at the request count only (``capture_sizes``) and one piecewise size for the prefill.
+tokens, stop checks). Each decode step of ``generate()`` calls (prompts of 4 tokens, ``NEW_TOKENS`` new
+tokens each, ``eos_token_id=None``) is timed on its own (``ServeLoop.step``), the replays inside it
+subtracted, and the figure is the median over every decode step of ``--repeats`` calls after one that
+warms up (captures). Two clocks: this thread's CPU time (``time.thread_time``: what the step costs the
+host, unmoved by other processes on a shared machine; torch runs on one thread here), the figure the
+targets read, and wall time. The model is a tiny random Llama (hidden 64, intermediate 128, head_dim 16)
+at each depth of ``--layers``; the engine captures decode graphs at the request count only
+(``capture_sizes``) and one piecewise size for the prefill.
 
 The anchor is the nano-vllm-shaped engine of tests/client_helpers.py (``ModelRunner``, mode ``runner``:
 its own host-built decode batches through a GraphRunner, ``argmax().tolist()`` per step) on its own
-Qwen3-shaped model of the same depth, measured the same way. On CPU every graph is the emulated
-backend; the replay time it excludes is not a GPU's.
+Qwen3-shaped model of the same depth, its ``decode()`` timed the same way (its loop's own bookkeeping
+around ``decode()`` left out). On CPU every graph is the emulated backend; the replay time it excludes
+is not a GPU's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -38,9 +41,10 @@ from hf_helpers import tiny_model  # noqa: E402
 
 import graphrt.hf  # noqa: E402
 from graphrt.backends.emulated import EmulatedGraph  # noqa: E402
+from graphrt.hf.serve import ServeLoop  # noqa: E402
 
 PROMPT_TOKENS = 4
-SHORT, LONG = 5, 21  # new tokens of the two calls: LONG - SHORT extra decode steps
+NEW_TOKENS = 33
 DEPTHS = (1, 4, 16, 32)
 REQUESTS = (1, 4, 16)
 QUICK_DEPTHS, QUICK_REQUESTS = (1, 4), (1, 4)
@@ -48,12 +52,13 @@ QUICK_DEPTHS, QUICK_REQUESTS = (1, 4), (1, 4)
 
 @dataclass
 class HostCost:
-    """One path's cost per decode step (ms): this thread's CPU time outside replays, wall time outside
-    replays, and the CPU time inside them."""
+    """One path's cost per decode step (ms, medians over the steps): this thread's CPU time outside
+    replays, wall time outside replays, and the CPU time inside them; how many steps were timed."""
 
     cpu_ms: float
     wall_ms: float
     replay_ms: float
+    steps: int
 
 
 @dataclass
@@ -66,81 +71,104 @@ class StepRow:
     anchor: HostCost
 
 
-class ReplayClock:
-    """Time spent inside graph replays (emulated graphs; CUDA graphs' replay calls where CUDA is present),
-    by this thread's CPU clock and the wall clock."""
+class StepClock:
+    """Each timed step's CPU and wall time outside the replays inside it: ``replay`` (emulated graphs; CUDA
+    graphs' replay calls where CUDA is present) and ``step`` (the step functions ``timed`` installs) patched
+    while ``installed``."""
 
-    def __init__(self) -> None:
-        self.cpu = 0.0
-        self.wall = 0.0
+    def __init__(self, stub_replays: bool = False) -> None:
+        self.stub_replays = stub_replays
+        self.in_replay = [0.0, 0.0]  # CPU, wall of the step under way
+        self.samples: List[Tuple[float, float, float]] = []  # per step: CPU, wall outside replays, CPU inside
 
     @contextmanager
-    def installed(self) -> Iterator["ReplayClock"]:
+    def installed(self, steps: Sequence[Tuple[type, str, Callable[[object], bool]]]) -> Iterator["StepClock"]:
+        """``steps``: (class, method, whether a call of it was a decode step, read after it returned)."""
         classes = [EmulatedGraph] + ([torch.cuda.CUDAGraph] if torch.cuda.is_available() else [])
-        originals = [(cls, cls.replay) for cls in classes]
-        clock = self
-
-        def timed(original: Callable[..., None]) -> Callable[..., None]:
-            def replay(graph: object) -> None:
-                wall, cpu = time.perf_counter(), time.thread_time()
-                try:
-                    original(graph)
-                finally:
-                    clock.cpu += time.thread_time() - cpu
-                    clock.wall += time.perf_counter() - wall
-            return replay
-
-        for cls, original in originals:
-            cls.replay = timed(original)
+        originals = [(cls, "replay", cls.replay) for cls in classes] + [(cls, name, getattr(cls, name))
+                                                                         for cls, name, _ in steps]
+        for cls in classes:
+            cls.replay = self._replay(cls.replay)
+        for cls, name, is_decode in steps:
+            setattr(cls, name, self._step(getattr(cls, name), is_decode))
         try:
             yield self
         finally:
-            for cls, original in originals:
-                cls.replay = original
+            for cls, name, original in originals:
+                setattr(cls, name, original)
+
+    def _replay(self, original: Callable[..., None]) -> Callable[..., None]:
+        clock = self
+        if self.stub_replays:
+            return lambda graph: None
+
+        def replay(graph: object) -> None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                original(graph)
+            finally:
+                clock.in_replay[0] += time.thread_time() - cpu
+                clock.in_replay[1] += time.perf_counter() - wall
+        return replay
+
+    def _step(self, original: Callable[..., object], is_decode: Callable[[object], bool]) -> Callable[..., object]:
+        clock = self
+
+        def step(owner: object, *args: object) -> object:
+            clock.in_replay = [0.0, 0.0]
+            wall, cpu = time.perf_counter(), time.thread_time()
+            result = original(owner, *args)
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            if is_decode(owner):
+                clock.samples.append((cpu - clock.in_replay[0], wall - clock.in_replay[1], clock.in_replay[0]))
+            return result
+        return step
 
 
-def host_cost(call: Callable[[int], object], repeats: int, after_warmup: Callable[[], None] = lambda: None) -> HostCost:
-    """The cost per extra decode step of ``call(new_tokens)`` (see the module docstring); ``after_warmup``
-    runs after the first, untimed call."""
-    clock = ReplayClock()
-
-    def outside(new_tokens: int) -> Tuple[float, float, float]:
-        clock.cpu = clock.wall = 0.0
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall, cpu = time.perf_counter(), time.thread_time()
-        call(new_tokens)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.thread_time() - cpu - clock.cpu, time.perf_counter() - wall - clock.wall, clock.cpu
-
-    with clock.installed():
-        call(LONG)  # warm-up: captures, and every decode width the timed calls read
-        after_warmup()
-        runs = {length: [outside(length) for _ in range(repeats)] for length in (SHORT, LONG)}
-    best = {length: [min(run[part] for run in runs[length]) for part in range(3)] for length in runs}
-    steps = LONG - SHORT
-    return HostCost(*(1e3 * (best[LONG][part] - best[SHORT][part]) / steps for part in range(3)))
+def host_cost(call: Callable[[], object], steps: Sequence[Tuple[type, str, Callable[[object], bool]]],
+              repeats: int, after_warmup: Callable[[], None] = lambda: None, stub_replays: bool = False) -> HostCost:
+    """The median cost of the decode steps of ``repeats`` calls of ``call`` after one untimed call
+    (``after_warmup`` runs after it; ``stub_replays``: the timed calls' replays do nothing)."""
+    call()  # warm-up: captures, and every decode width the timed calls read
+    after_warmup()
+    clock = StepClock(stub_replays)
+    with clock.installed(steps):
+        for _ in range(repeats):
+            call()
+    parts = [statistics.median(sample[part] for sample in clock.samples) for part in range(3)]
+    return HostCost(*(1e3 * part for part in parts), len(clock.samples))
 
 
-def engine_call(layers: int, requests: int, device: str) -> Tuple[Callable[[int], object], graphrt.hf.HFEngine]:
+class _Decoded:
+    """Whether the last ServeLoop.step of a loop launched a decode step (its decode count moved)."""
+
+    def __init__(self) -> None:
+        self.seen: Dict[int, int] = {}
+
+    def __call__(self, loop: object) -> bool:
+        count = loop.counts.decode_steps
+        before, self.seen[id(loop)] = self.seen.get(id(loop), 0), count
+        return count > before
+
+
+def engine_call(layers: int, requests: int, device: str) -> Tuple[Callable[[], object], graphrt.hf.HFEngine]:
     """``generate`` of ``requests`` prompts on an engine over a tiny Llama of ``layers`` layers, and the engine."""
     model = tiny_model("llama", device, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, head_dim=16)
     budget = PROMPT_TOKENS * requests
     engine = graphrt.hf.engine_model(model, max_requests=requests, max_context=64, max_step_tokens=budget,
                                      capture_sizes=[requests], piecewise_sizes=[budget])
     prompts = ragged_prompts([PROMPT_TOKENS] * requests)
-    return lambda new_tokens: engine.generate(prompts, max_new_tokens=new_tokens, eos_token_id=None), engine
+    return lambda: engine.generate(prompts, max_new_tokens=NEW_TOKENS, eos_token_id=None), engine
 
 
-def anchor_call(layers: int, requests: int) -> Callable[[int], object]:
+def anchor_call(layers: int, requests: int) -> Callable[[], object]:
     """nano-vllm's ModelRunner (graphs through a GraphRunner) on its model of ``layers`` layers."""
-    blocks_per_request = -(-(PROMPT_TOKENS + LONG) // 4)
+    blocks_per_request = -(-(PROMPT_TOKENS + NEW_TOKENS) // 4)
     runner = ModelRunner(Qwen3ForCausalLM(block_size=4, layers=layers), "runner", num_blocks=requests * blocks_per_request,
                          max_num_seqs=requests, max_blocks_per_seq=blocks_per_request, capture_sizes=[requests])
     prompts = ragged_prompts([PROMPT_TOKENS] * requests)
     prompts = [[token % 64 for token in prompt] for prompt in prompts]  # the anchor's vocabulary
-    return lambda new_tokens: runner.generate(prompts, [new_tokens] * requests)
+    return lambda: runner.generate(prompts, [NEW_TOKENS] * requests)
 
 
 def unwatched(engine: object) -> Callable[[], None]:
@@ -152,16 +180,18 @@ def unwatched(engine: object) -> Callable[[], None]:
 
 
 def measure(depths: Sequence[int], requests: Sequence[int], repeats: int, device: str = "cpu",
-            unwatch: bool = False) -> List[StepRow]:
+            unwatch: bool = False, stub_replays: bool = False) -> List[StepRow]:
     """Every (depth, request count): the engine's and the anchor's cost per decode step (``unwatch``: the
-    engine taken off the guards' watch list after its first call)."""
+    engine taken off the guards' watch list after its first call; ``stub_replays``: see ``main``)."""
     rows = []
     with torch.no_grad():
         for layers in depths:
             for count in requests:
                 call, built = engine_call(layers, count, device)
-                engine = host_cost(call, repeats, unwatched(built) if unwatch else lambda: None)
-                anchor = host_cost(anchor_call(layers, count), repeats)
+                engine = host_cost(call, [(ServeLoop, "step", _Decoded())], repeats,
+                                   unwatched(built) if unwatch else lambda: None, stub_replays)
+                anchor = host_cost(anchor_call(layers, count), [(ModelRunner, "decode", lambda runner: True)], repeats,
+                                   stub_replays=stub_replays)
                 rows.append(StepRow(layers, count, engine, anchor))
     return rows
 
@@ -190,7 +220,8 @@ def depth_ratios(rows: Sequence[StepRow]) -> Dict[int, float]:
 
 def as_json(rows: Sequence[StepRow]) -> Dict[str, object]:
     return {"rows": [asdict(row) for row in rows], "depth_ratio": depth_ratios(rows),
-            "method": f"generate() of {SHORT} and {LONG} new tokens, prompts of {PROMPT_TOKENS}, difference per step"}
+            "method": f"median over decode steps (ServeLoop.step; the anchor's decode()) of generate() calls of "
+                      f"{NEW_TOKENS} new tokens, prompts of {PROMPT_TOKENS}, replays subtracted"}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -200,12 +231,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--unwatch", action="store_true",
                         help="take the engine off the guards' watch list after its first call")
+    parser.add_argument("--stub-replays", action="store_true",
+                        help="the timed calls' replays do nothing (tokens unchecked): the host's work alone, without "
+                             "the emulated replay evicting its caches on the same core, as a GPU's work would not")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     depths = [int(value) for value in args.layers.split(",")]
     counts = [int(value) for value in args.requests.split(",")]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    rows = measure(depths, counts, args.repeats, unwatch=args.unwatch)
+    rows = measure(depths, counts, args.repeats, unwatch=args.unwatch, stub_replays=args.stub_replays)
     print("\n".join(format_rows(rows)))
     print("deepest over shallowest (engine, CPU):", {count: round(ratio, 2) for count, ratio in depth_ratios(rows).items()})
     print(f"load average {os.getloadavg()[0]:.1f}")

@@ -9,16 +9,16 @@ released row's table row is reset with one device fill). The request table on th
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
-
-import numpy as np
+import operator
+from typing import List, Sequence, Tuple
 
 from graphrt.reference import DUMMY_REQUEST, SCRATCH_SLOT, ReqToTokenPool
 
 
 class SlotTable:
     """The free KV slots (a stack, never the scratch slot), the free request rows (``ReqToTokenPool``'s own
-    host list, never the dummy row) and a host copy of the slots each row holds."""
+    host list, never the dummy row) and the slots each row holds, as Python lists (a step assigns a few
+    slots: list operations cost less than array calls there)."""
 
     def __init__(self, table: ReqToTokenPool, num_slots: int) -> None:
         if num_slots < 2:
@@ -26,14 +26,13 @@ class SlotTable:
         self.table = table
         self.num_slots = num_slots
         self.width = table.max_context_len
-        self._free = np.arange(num_slots - 1, 0, -1, dtype=np.int64)  # taken from the end: 1, 2, 3, ...
-        self._top = num_slots - 1
-        self._held = np.zeros((table.num_requests, self.width), dtype=np.int64)
+        self._free = list(range(num_slots - 1, 0, -1))  # taken from the end: 1, 2, 3, ...
+        self._held: List[List[int]] = [[] for _ in range(table.num_requests)]
 
     @property
     def available(self) -> int:
         """KV slots that can still be assigned."""
-        return self._top
+        return len(self._free)
 
     @property
     def free_rows(self) -> int:
@@ -44,33 +43,41 @@ class SlotTable:
         """A free request row."""
         return self.table.alloc()
 
-    def assign(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    def assign(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> Tuple[List[int], List[int]]:
         """``counts[i]`` slots for positions ``starts[i]..`` of request row ``rows[i]``, held by the row at once:
         the slots in request order and each one's flat index in the request table (``row * width + position``)."""
-        counts_array = np.asarray(counts, dtype=np.int64)
-        starts_array = np.asarray(starts, dtype=np.int64)
-        if (starts_array + counts_array).max(initial=0) > self.width:
-            row = int(np.argmax(starts_array + counts_array > self.width))
-            raise ValueError(f"counts: request row {rows[row]} would reach {starts[row] + counts[row]} tokens, "
-                             f"max_context_len is {self.width}")
+        width, free = self.width, self._free
+        ends = list(map(operator.add, starts, counts))
+        if max(ends, default=0) > width:
+            row = next(index for index, end in enumerate(ends) if end > width)
+            raise ValueError(f"counts: request row {rows[row]} would reach {ends[row]} tokens, "
+                             f"max_context_len is {width}")
         if DUMMY_REQUEST in rows:
             raise ValueError(f"rows: request row {DUMMY_REQUEST} is the reserved dummy request")
-        total = int(counts_array.sum())
-        if total > self._top:
-            raise RuntimeError(f"KV slots: asked for {total}, only {self._top} free")
-        slots = self._free[self._top - total: self._top][::-1].copy()
-        self._top -= total
-        ends = np.cumsum(counts_array)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(starts_array - (ends - counts_array), counts_array)
-        index = np.repeat(np.asarray(rows, dtype=np.int64), counts_array) * self.width + positions
-        self._held.reshape(-1)[index] = slots
+        total = sum(counts)
+        if total > len(free):
+            raise RuntimeError(f"KV slots: asked for {total}, only {len(free)} free")
+        slots = free[len(free) - total:]
+        del free[len(free) - total:]
+        slots.reverse()
+        held = self._held
+        if total == len(rows):  # a token each
+            for row, slot in zip(rows, slots):
+                held[row].append(slot)
+            return slots, [row * width + start for row, start in zip(rows, starts)]
+        index: List[int] = []
+        taken = 0
+        for row, start, count in zip(rows, starts, counts):
+            held[row].extend(slots[taken:taken + count])
+            taken += count
+            index.extend(range(row * width + start, row * width + start + count))
         return slots, index
 
     def release(self, row: int, count: int) -> None:
         """Request row ``row`` and the slots of its first ``count`` positions back (its device table row reset)."""
-        freed = self._held[row, :count]
-        self._free[self._top: self._top + count] = freed[::-1]
-        self._top += count
+        held = self._held[row]
+        self._free.extend(reversed(held[:count]))
+        held.clear()
         self.table.free(row)
 
 

@@ -16,9 +16,11 @@ the arena and the engine's counters (a plain object of their own) change.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -64,6 +66,7 @@ class StepArena:
         self.steps = 0
         self.history: Optional[torch.Tensor] = None
         self.ids = torch.zeros(max_step_tokens, dtype=torch.int64, device=device)
+        self.views: Dict[Any, Any] = {}  # views of the arenas per step size (graphrt.hf.engine_step.StepViews)
 
     def ready(self, steps: int, history: bool) -> None:
         """Sized for launches of ``steps`` decode steps (per call; reallocated only to grow), the history made."""
@@ -76,8 +79,26 @@ class StepArena:
                                "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2},
                 result_regions={"tokens": rows * steps})
             self.steps = steps
+            self.views.clear()
         if history and self.history is None:
             self.history = torch.zeros_like(self.pools.req_to_token.req_to_token)
+
+
+@dataclass(frozen=True)
+class StepViews:
+    """The device arena's views a step of one size reads."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    table_index: torch.Tensor
+    id_source: torch.Tensor
+    carried_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,8 @@ class EngineSteps:
         self.history = arena.history.view(-1) if chooser is not None and chooser.needs_ids else None
         self.context = dict(req_to_token_pool=arena.pools.req_to_token, token_to_kv_pool=arena.pools.kv)
         buffers = self.buffers
-        self.ids_offset = buffers.regions["input_ids"][0]
+        ids_offset = buffers.regions["input_ids"][0]
+        self.id_sources = np.arange(ids_offset, ids_offset + arena.max_step_tokens)  # a host id: its own row
         self.tokens_offset = buffers.regions["tokens"][0]
         self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
 
@@ -113,11 +135,10 @@ class EngineSteps:
         buffers, chosen = self.buffers, len(work.sampled)
         if not chosen:
             return Launched(None), eager
-        device = buffers.device_views
         if work.steps > 1:  # [steps, rows] greedy tokens of a launch, step-major
             return Launched(buffers.copy_back("tokens", output.reshape(-1))), eager
-        rows = output if work.mode is ForwardMode.DECODE else output.index_select(0, device["chosen_rows"][:chosen])
-        tokens = device["tokens"][:chosen]
+        rows_at, tokens = self._chosen_views(chosen)
+        rows = output if work.mode is ForwardMode.DECODE else output.index_select(0, rows_at)
         self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
         return Launched(buffers.copy_back("tokens", tokens)), eager
 
@@ -128,8 +149,8 @@ class EngineSteps:
     def run(self, work: StepWork) -> Tuple[torch.Tensor, int]:
         """Stage ``work`` and run it: the runner's output (logits of its tokens, or a launch's tokens) and
         how many steps ran the model eagerly."""
-        batch = self._stage(work)
-        key, runner = self.runners.for_batch(self.graphs, batch, self.steps_per_launch, work.steps)
+        batch, longest = self._stage(work)
+        key, runner = self.runners.for_batch(self.graphs, batch, self.steps_per_launch, work.steps, longest)
         counters = self.counters
         calls, start = counters.model_calls, time.perf_counter()
         output = runner(batch) if work.steps == 1 else runner.decode(batch, work.steps)
@@ -144,75 +165,102 @@ class EngineSteps:
 
     # ---- staging ----------------------------------------------------------------------------------
 
-    def _stage(self, work: StepWork) -> ForwardBatch:
-        """``work`` written into the host arena, staged with one copy, the device table and ids made ready."""
+    def _stage(self, work: StepWork) -> Tuple[ForwardBatch, int]:
+        """``work`` written into the host arena, staged with one copy, the device table and ids made ready;
+        the batch and its longest request."""
         buffers = self.buffers
         buffers.wait_host_free()
-        host, device = buffers.host_views, buffers.device_views
-        requests = len(work.requests)
-        counts = np.array(work.counts, dtype=np.int64)
-        starts = np.array(work.starts, dtype=np.int64)
-        rows = np.array([request.row for request in work.requests], dtype=np.int64)
+        host = buffers.host_views
+        requests, steps = len(work.requests), work.steps
+        counts, starts, chunks = work.counts, work.starts, work.chunks
+        rows = [request.row for request in work.requests]
         slots, table_index = work.slots, work.table_index
-        if work.steps > 1:  # one token per request; every step's slots, step-major (GraphRunner.decode)
-            ids = np.array([chunk[0] for chunk in work.chunks], dtype=np.int64)
-            positions, new_tokens = starts, np.ones(requests, dtype=np.int64)
-            slots = slots.reshape(requests, work.steps).T.reshape(-1)
-            table_index = table_index.reshape(requests, work.steps).T.reshape(-1)
-        elif work.mode is ForwardMode.DECODE:
-            ids = np.array([chunk[0] for chunk in work.chunks], dtype=np.int64)
-            positions, new_tokens = starts, counts
-        else:
-            ids = np.fromiter((token for chunk in work.chunks for token in chunk), dtype=np.int64,
-                              count=int(counts.sum()))
-            ends = np.cumsum(counts)
-            positions = np.arange(ends[-1], dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
+        extend = work.mode.is_extend()
+        if extend:
+            ids = [token for chunk in chunks for token in chunk]
+            positions = [position for start, count in zip(starts, counts) for position in range(start, start + count)]
             new_tokens = counts
-        tokens = ids.shape[0]
-        seq_lens = starts + new_tokens
-        write_requests(host, 0, 0, ids, positions, slots, new_tokens, seq_lens, rows)
-        host["table_index"][:table_index.shape[0]] = table_index
+        else:  # a token per request
+            ids = [chunk[0] for chunk in chunks]
+            positions, new_tokens = starts, [1] * requests
+            if steps > 1:  # every step's slots, step-major (GraphRunner.decode)
+                slots = [slots[row * steps + step] for step in range(steps) for row in range(requests)]
+                table_index = [table_index[row * steps + step] for step in range(steps) for row in range(requests)]
+        tokens, assigned = len(ids), len(slots)
+        seq_lens = list(map(operator.add, starts, new_tokens))
+        write_requests(host, 0, 0, ids, positions, slots, new_tokens, seq_lens, rows, extend)
+        host["table_index"][:assigned] = table_index
         if work.carried:
             source = host["id_source"]
-            source[:tokens] = np.arange(self.ids_offset, self.ids_offset + tokens)
+            source[:tokens] = self.id_sources[:tokens]
             for token, row in work.carried:
                 source[token] = self.tokens_offset + row
-        if work.sampled and work.steps == 1:
+        if work.sampled and steps == 1:
             self._write_chosen(work, host, rows, seq_lens, counts)
         buffers.stage(requests)
-        self.arena.table.index_copy_(0, device["table_index"][:slots.shape[0]], device["out_cache_loc"][:slots.shape[0]])
-        input_ids = device["input_ids"][:tokens]
+        device = self._views(requests, tokens, assigned)
+        self.arena.table.index_copy_(0, device.table_index, device.out_cache_loc)
+        input_ids = device.input_ids
         if work.carried:
-            input_ids = torch.index_select(buffers.device_arena, 0, device["id_source"][:tokens],
-                                           out=self.arena.ids[:tokens])
+            input_ids = torch.index_select(buffers.device_arena, 0, device.id_source, out=device.carried_ids)
         if self.history is not None:
-            self.history.index_copy_(0, device["table_index"][:tokens], input_ids)
-        fields = dict(forward_mode=work.mode, batch_size=requests, input_ids=input_ids,
-                      req_pool_indices=device["req_pool_indices"][:requests], seq_lens=device["seq_lens"][:requests],
-                      out_cache_loc=device["out_cache_loc"][:slots.shape[0]], seq_lens_sum=int(seq_lens.sum()),
-                      seq_lens_cpu=torch.from_numpy(host["seq_lens"][:requests]), positions=device["positions"][:tokens],
-                      **self.context)
-        if work.mode.is_extend():
-            fields.update(extend_num_tokens=tokens, extend_seq_lens=device["extend_seq_lens"][:requests],
-                          extend_prefix_lens=device["extend_prefix_lens"][:requests],
-                          extend_start_loc=device["query_start_loc"][:requests],
-                          extend_prefix_lens_cpu=work.starts, extend_seq_lens_cpu=work.counts)
-        return ForwardBatch(**fields)
+            self.history.index_copy_(0, device.table_index, input_ids)
+        if not extend:
+            return ForwardBatch(work.mode, requests, input_ids, device.req_pool_indices, device.seq_lens,
+                                device.out_cache_loc, sum(seq_lens), self._host_seq_lens(requests), device.positions,
+                                **self.context), max(seq_lens)
+        return ForwardBatch(work.mode, requests, input_ids, device.req_pool_indices, device.seq_lens,
+                            device.out_cache_loc, sum(seq_lens), self._host_seq_lens(requests), device.positions,
+                            extend_num_tokens=tokens, extend_seq_lens=device.extend_seq_lens,
+                            extend_prefix_lens=device.extend_prefix_lens, extend_start_loc=device.extend_start_loc,
+                            extend_prefix_lens_cpu=starts, extend_seq_lens_cpu=counts, **self.context), max(seq_lens)
 
-    def _write_chosen(self, work: StepWork, host: Any, rows: np.ndarray, seq_lens: np.ndarray,
-                      counts: np.ndarray) -> None:
+    def _views(self, requests: int, tokens: int, assigned: int) -> "StepViews":
+        """The device arena's views of a step of these sizes (made once per size)."""
+        key = (requests, tokens, assigned)
+        views = self.arena.views.get(key)
+        if views is None:
+            device = self.buffers.device_views
+            views = self.arena.views[key] = StepViews(
+                device["input_ids"][:tokens], device["positions"][:tokens], device["out_cache_loc"][:assigned],
+                device["req_pool_indices"][:requests], device["seq_lens"][:requests],
+                device["extend_seq_lens"][:requests], device["extend_prefix_lens"][:requests],
+                device["query_start_loc"][:requests], device["table_index"][:assigned], device["id_source"][:tokens],
+                self.arena.ids[:tokens])
+        return views
+
+    def _chosen_views(self, chosen: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The device arena's rows of the chosen tokens' logits and the chosen tokens, for ``chosen`` rows."""
+        views = self.arena.views.get(chosen)
+        if views is None:
+            device = self.buffers.device_views
+            views = self.arena.views[chosen] = (device["chosen_rows"][:chosen], device["tokens"][:chosen])
+        return views
+
+    def _host_seq_lens(self, requests: int) -> torch.Tensor:
+        """The host mirror of ``seq_lens``: a view of the host arena written for this step."""
+        host = self.buffers.host_views  # the half written for this step (one dict per half)
+        key = (id(host), requests)
+        mirror = self.arena.views.get(key)
+        if mirror is None:
+            mirror = self.arena.views[key] = torch.from_numpy(host["seq_lens"][:requests])
+        return mirror
+
+    def _write_chosen(self, work: StepWork, host: Any, rows: List[int], seq_lens: List[int],
+                      counts: List[int]) -> None:
         """What the chooser reads of the chosen rows: their token rows (a prefill step's last token of each),
         and where the call's rules or sampling read them, their ids' rows and lengths and their parameters."""
-        chosen, sampled = len(work.sampled), np.array(work.sampled, dtype=np.int64)
+        chosen, sampled = len(work.sampled), work.sampled
         if work.mode is not ForwardMode.DECODE:
-            host["chosen_rows"][:chosen] = np.cumsum(counts)[sampled] - 1
+            ends = list(itertools.accumulate(counts))
+            host["chosen_rows"][:chosen] = [ends[position] - 1 for position in sampled]
         chooser = self.chooser
         if chooser.greedy:
             return
-        indices = np.array([work.requests[position].index for position in work.sampled], dtype=np.int64)
+        indices = [work.requests[position].index for position in sampled]
         if chooser.needs_ids:
-            host["chosen_table_rows"][:chosen] = rows[sampled]
-            host["chosen_lengths"][:chosen] = seq_lens[sampled]
+            host["chosen_table_rows"][:chosen] = [rows[position] for position in sampled]
+            host["chosen_lengths"][:chosen] = [seq_lens[position] for position in sampled]
             host["chosen_prompt_lengths"][:chosen] = chooser.prompt_lengths[indices]
         if chooser.sampled:
             params = host["chosen_params"].view(np.float32).reshape(-1, PARAMETER_COLUMNS)

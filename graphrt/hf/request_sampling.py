@@ -70,14 +70,13 @@ class TokenChooser:
         self.needs_ids = rules.needs_ids or self.penalties
         self.generators = [request.generator if request.draws else None for request in requests]
         self.prompt_lengths = np.array([len(request.prompt) for request in requests], dtype=np.int64)
-        self.params = np.zeros((len(requests), len(FLOAT_PARAMETERS)), dtype=np.float32)
-        self.top_ks = np.full(len(requests), -1, dtype=np.int64)
+        self.params = np.array([[SAMPLING_DEFAULTS[name] for name in FLOAT_PARAMETERS]] * len(requests),
+                               dtype=np.float32).reshape(len(requests), len(FLOAT_PARAMETERS))
+        self.top_ks = np.full(len(requests), SAMPLING_DEFAULTS["top_ks"], dtype=np.int64)
         for index, request in enumerate(requests):
-            meta = request.sampling if request.sampling is not None else SamplingMetadata.from_defaults(1)
-            self.params[index] = [float(getattr(meta, name)[0]) for name in FLOAT_PARAMETERS]
-            self.top_ks[index] = int(meta.top_ks[0])
-        if not self.sampled:
-            self.params[:, 0] = 0.0  # no sampling: temperature 0, the argmax
+            if request.sampling is not None:
+                self.params[index] = [float(getattr(request.sampling, name)[0]) for name in FLOAT_PARAMETERS]
+                self.top_ks[index] = int(request.sampling.top_ks[0])
 
     def choose(self, logits: torch.Tensor, out: torch.Tensor, rows: ChosenRows) -> None:
         """Write the token of each row of ``logits`` [rows, vocab] into ``out`` [rows] (int64, on the device)."""

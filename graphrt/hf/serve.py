@@ -26,8 +26,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
-import numpy as np
-
 from graphrt.batch import ForwardMode
 from graphrt.hf.engine_slots import SlotTable
 from graphrt.hf.request_sampling import RequestTokens
@@ -116,8 +114,8 @@ class StepWork:
     starts: List[int]
     chunks: List[Sequence[int]]
     sampled: List[int]
-    slots: np.ndarray
-    table_index: np.ndarray
+    slots: List[int]
+    table_index: List[int]
     steps: int = 1
     carried: List[Tuple[int, int]] = field(default_factory=list)
 
@@ -209,9 +207,13 @@ class ServeLoop:
     def _schedule(self) -> Optional[StepWork]:
         """The next step's work, its slots assigned (None: nothing to run before a token is read)."""
         limit = self.config.max_new_tokens
-        decodes = [request for request in self.running if not request.prefilling and not request.stopped
-                   and request.chosen < limit]
-        prefills = [request for request in self.running if request.prefilling]
+        decodes: List[Request] = []
+        prefills: List[Request] = []
+        for request in self.running:
+            if request.cached < len(request.prompt):
+                prefills.append(request)
+            elif request.chosen < limit and not request.stopped:
+                decodes.append(request)
         if not decodes and not prefills:
             return None
         if self.config.steps_per_launch > 1 and not prefills and self.pending is None:
@@ -241,11 +243,12 @@ class ServeLoop:
             ForwardMode.MIXED if decodes else ForwardMode.EXTEND)
         work = self._assigned(mode, requests, counts, chunks, 1)
         work.carried = carried
+        sampled = work.sampled
         for position, request in enumerate(requests):
-            if not request.prefilling:  # its chunk reached the end of the prompt (or it decodes): it chooses
-                request.carried = len(work.sampled)
+            if request.cached >= len(request.prompt):  # its chunk reached the end of the prompt (or it decodes)
+                request.carried = len(sampled)
                 request.chosen += 1
-                work.sampled.append(position)
+                sampled.append(position)
         return work
 
     def _launch_work(self, decodes: List[Request]) -> StepWork:
