@@ -91,6 +91,7 @@ class HFEngine:
         self.max_step_tokens = max_step_tokens
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.logits_width = getattr(model.config.get_text_config(), "vocab_size", None) or self.vocab_size
         self.layout = layout
         self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, self.device),
                                 LayeredKVPool(layout, self.device))
@@ -152,7 +153,8 @@ class HFEngine:
             sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
             named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
                      graphs, seed, sampled, repr(config_used))
-            return (requests, config, TokenChooser(rules, [request.tokens for request in requests])), named
+            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device)
+            return (requests, config, chooser), named
 
         if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap: expected None or a bool, got {overlap!r}")

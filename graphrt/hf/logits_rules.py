@@ -57,7 +57,7 @@ class GenerationRules:
     remove_invalid_values: bool = False
     suppress: Tuple[int, ...] = ()
     begin_suppress: Tuple[int, ...] = ()
-    _masks: Dict[Tuple[str, int, Any], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _static: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # ``prepare``'s tensors
 
     @classmethod
     def from_config(cls, config: Any, eos_ids: Sequence[int], max_new_tokens: int, vocab_size: int) -> "GenerationRules":
@@ -126,10 +126,38 @@ class GenerationRules:
         """Whether any rule reads a row's ids or lengths (every rule but invalid-value removal and suppression)."""
         return any(name not in ("remove_invalid_values", "suppress_tokens") for name in self.names)
 
+    def prepare(self, vocab: int, device: torch.device) -> None:
+        """The rules' constant tensors for scores of ``vocab`` columns on ``device``, made once (before a call's
+        first step: a step copies nothing more to the device)."""
+        device = torch.device(device)
+        if self._static.get("for") == (vocab, device):
+            return
+        tokens = torch.arange(vocab, device=device)
+
+        def mask(ids: Sequence[int]) -> torch.Tensor:
+            return torch.isin(tokens, torch.tensor(list(ids), dtype=torch.int64, device=device))
+
+        def forced(ids: Sequence[int]) -> torch.Tensor:  # the scores of a row a forced token replaces
+            row = torch.full((vocab,), -math.inf, device=device)
+            row[list(ids)] = 0
+            return row
+
+        bad = torch.zeros(vocab, dtype=torch.float, device=device)
+        bad[[word[0] for word in self.bad_words if len(word) == 1]] = float("-inf")
+        self._static.clear()
+        self._static.update({
+            "for": (vocab, device), "eos": mask(self.eos), "suppress": mask(self.suppress),
+            "begin": mask(self.begin_suppress), "bos": forced(() if self.forced_bos is None else (self.forced_bos,)),
+            "forced_eos": forced(self.forced_eos_ids), "bad": bad,
+            "prefixes": [(torch.tensor(word[:-1], dtype=torch.int64, device=device), word) for word in self.bad_words
+                         if len(word) > 1]})
+
     def apply(self, scores: torch.Tensor, rows: Optional[RowIds]) -> torch.Tensor:
         """Float32 ``scores`` [rows, vocab] after every rule, in ``generate()``'s order (``rows``: what they read;
         None when no rule reads ids)."""
         vocab = scores.shape[1]
+        self.prepare(vocab, scores.device)
+        static = self._static
         if self.repetition_penalty is not None:
             seen = _token_mask(vocab, rows.ids, _valid(rows))
             penalty = self.repetition_penalty
@@ -139,27 +167,26 @@ class GenerationRules:
         if self.bad_words:
             scores = scores + self._bad_word_bias(scores, rows)
         if self.min_length:
-            scores = torch.where((rows.lengths < self.min_length)[:, None] & self._vocab_mask("eos", self.eos, scores),
-                                 -math.inf, scores)
+            scores = torch.where((rows.lengths < self.min_length)[:, None] & static["eos"], -math.inf, scores)
         if self.min_new_tokens:
             short = (rows.lengths - rows.prompt_lengths) < self.min_new_tokens
-            scores = torch.where(short[:, None] & self._vocab_mask("eos", self.eos, scores), -math.inf, scores)
+            scores = torch.where(short[:, None] & static["eos"], -math.inf, scores)
         if self.forced_bos is not None:
-            scores = torch.where((rows.lengths == 1)[:, None], self._forced_row("bos", (self.forced_bos,), scores), scores)
+            scores = torch.where((rows.lengths == 1)[:, None], static["bos"], scores)
         if self.forced_eos is not None:
             last = rows.lengths == rows.prompt_lengths + self.forced_eos - 1
-            scores = torch.where(last[:, None], self._forced_row("forced_eos", self.forced_eos_ids, scores), scores)
+            scores = torch.where(last[:, None], static["forced_eos"], scores)
         if self.remove_invalid_values:
             cleaned = torch.where(scores != scores, 0.0, scores)
             cleaned = torch.where(scores == float("inf"), torch.finfo(scores.dtype).max, cleaned)
             scores = torch.where(scores == -float("inf"), torch.finfo(scores.dtype).min, cleaned)
         if self.suppress:
-            scores = torch.where(self._vocab_mask("suppress", self.suppress, scores), -float("inf"), scores)
+            scores = torch.where(static["suppress"], -float("inf"), scores)
         if self.begin_suppress:
             begin = rows.prompt_lengths
             if self.forced_bos is not None:  # generate() begins one later after a forced BOS on a 1-token prompt
                 begin = begin + (begin <= 1)
-            first = (rows.lengths == begin)[:, None] & self._vocab_mask("begin", self.begin_suppress, scores)
+            first = (rows.lengths == begin)[:, None] & static["begin"]
             scores = torch.where(first, -float("inf"), scores)
         return scores
 
@@ -184,41 +211,14 @@ class GenerationRules:
     def _bad_word_bias(self, scores: torch.Tensor, rows: RowIds) -> torch.Tensor:
         """transformers' NoBadWordsLogitsProcessor's bias per row: -inf at every one-token bad word, and at a
         longer word's last token where the row's last ids are the word's prefix."""
-        static = self._masks.get(("bad", scores.shape[1], scores.device))
-        if static is None:
-            static = torch.zeros(scores.shape[1], dtype=torch.float, device=scores.device)
-            static[[word[0] for word in self.bad_words if len(word) == 1]] = float("-inf")
-            self._masks[("bad", scores.shape[1], scores.device)] = static
-        bias = torch.zeros_like(scores) + static
-        for word in self.bad_words:
-            if len(word) == 1:
-                continue
-            prefix = torch.tensor(word[:-1], dtype=rows.ids.dtype, device=rows.ids.device)
+        bias = torch.zeros_like(scores) + self._static["bad"]
+        for prefix, word in self._static["prefixes"]:
             offsets = torch.arange(len(prefix), device=rows.ids.device)
             tail = rows.ids.gather(1, (rows.lengths[:, None] - len(prefix) + offsets[None, :]).clamp(min=0))
             least = len(word) if self.bad_word_needs_whole_length else len(word) - 1
             matching = (tail == prefix).all(dim=-1) & (rows.lengths >= least)
             bias[:, word[-1]] += torch.where(matching, float("-inf"), 0.0)
         return bias
-
-    # ---- static rows, made once per vocabulary and device ------------------------------------------
-
-    def _vocab_mask(self, kind: str, tokens: Tuple[int, ...], scores: torch.Tensor) -> torch.Tensor:
-        key = (kind, scores.shape[1], scores.device)
-        mask = self._masks.get(key)
-        if mask is None:
-            vocab = torch.arange(scores.shape[1], device=scores.device)
-            mask = self._masks[key] = torch.isin(vocab, torch.tensor(tokens, device=scores.device))
-        return mask
-
-    def _forced_row(self, kind: str, tokens: Tuple[int, ...], scores: torch.Tensor) -> torch.Tensor:
-        """-inf everywhere but 0 at ``tokens``: the scores of a row a forced token replaces."""
-        key = (kind, scores.shape[1], scores.device)
-        row = self._masks.get(key)
-        if row is None:
-            row = self._masks[key] = torch.full((scores.shape[1],), -math.inf, device=scores.device)
-            row[list(tokens)] = 0
-        return row
 
 
 def _token_mask(vocab: int, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,13 @@ class ChosenRows:
 
 
 class TokenChooser:
-    """The token choice of one ``generate`` call: its rules and every request's sampling row and generator.
-    ``greedy``: every token is the argmax of its logits; ``needs_ids``: rules or penalties read the rows'
+    """The token choice of one ``generate`` call over logits of ``vocab`` columns on ``device``: its rules and
+    every request's sampling row and generator. ``greedy``: every token is the argmax of its logits; ``needs_ids``: rules or penalties read the rows'
     ids; ``sampled``: rows carry sampling parameters (``params``, ``top_ks``, one row per request)."""
 
-    def __init__(self, rules: GenerationRules, requests: Sequence[RequestTokens]) -> None:
+    def __init__(self, rules: GenerationRules, requests: Sequence[RequestTokens], vocab: int,
+                 device: torch.device) -> None:
+        rules.prepare(vocab, device)  # the rules' constants on the device before the first step
         self.rules = rules
         self.sampled = any(request.sampling is not None for request in requests)
         self.penalties = any(request.has_penalties for request in requests)
