@@ -43,6 +43,7 @@ from bench_floor import (
     one_op_runners,
     wrap_floor,
 )
+import bench_engine_step
 from bench_guards import DEPTHS, format_guards, guard_scaling, guard_summary
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
@@ -355,6 +356,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         multistep = run_multistep(settings, config, rng)
     hf = hf_summary(settings)
     guards = guards_summary(settings)
+    engine_host = engine_host_summary(settings)
     load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
     batches = [dataclasses.asdict(result) for result in results]
@@ -391,6 +393,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
         "hf_generate": hf,
+        "engine_host": engine_host,
     }
     return doc
 
@@ -417,6 +420,20 @@ def guards_summary(settings: Settings) -> Dict[str, Any]:
     timed = guard_scaling(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
                           settings.warmup, depths)
     return dataclasses.asdict(timed)
+
+
+def engine_host_summary(settings: Settings) -> Dict[str, Any]:
+    """The engine's host ms per decode step against the nano-vllm-shaped anchor at growing depths and request
+    counts (bench_engine_step), or why it was skipped (``--quick``: 1 and 4 layers at 4 requests, one call each)."""
+    if not settings.hf:
+        return {"skipped": "--no-hf"}
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    engine = bench_engine_step
+    depths, requests = (engine.QUICK_DEPTHS, engine.QUICK_REQUESTS) if settings.quick else (engine.DEPTHS, engine.REQUESTS)
+    start = time.perf_counter()
+    rows = engine.measure(depths, requests, 1 if settings.quick else 3)
+    return {**engine.as_json(rows), "seconds": time.perf_counter() - start}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -447,6 +464,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     guards = doc["guards"]
     print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(format_guards(guards)))
+    engine_host = doc["engine_host"]
+    print(f"\nengine host ms per decode step: skipped, {engine_host['skipped']}" if "skipped" in engine_host
+          else "\n".join(bench_engine_step.format_json(engine_host)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     print("\n".join(format_targets(doc["floor"]["targets"])))

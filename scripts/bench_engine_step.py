@@ -13,6 +13,11 @@ targets read, and wall time. The model is a tiny random Llama (hidden 64, interm
 at each depth of ``--layers``; the engine captures decode graphs at the request count only
 (``capture_sizes``) and one piecewise size for the prefill.
 
+Each figure is taken twice: with the replays run, and with them stubbed (the timed calls' replays do
+nothing; the tokens go unchecked): the host's work alone. On this CPU the emulated replay of a deep model
+runs on the host's core and evicts its caches, so the host code after it runs slower than it would
+beside a GPU, whose work runs elsewhere: "alone" is the host's cost as a GPU would see it.
+
 The anchor is the nano-vllm-shaped engine of tests/client_helpers.py (``ModelRunner``, mode ``runner``:
 its own host-built decode batches through a GraphRunner, ``argmax().tolist()`` per step) on its own
 Qwen3-shaped model of the same depth, its ``decode()`` timed the same way (its loop's own bookkeeping
@@ -47,7 +52,7 @@ PROMPT_TOKENS = 4
 NEW_TOKENS = 33
 DEPTHS = (1, 4, 16, 32)
 REQUESTS = (1, 4, 16)
-QUICK_DEPTHS, QUICK_REQUESTS = (1, 4), (1, 4)
+QUICK_DEPTHS, QUICK_REQUESTS = (1, 4), (4,)
 
 
 @dataclass
@@ -63,12 +68,15 @@ class HostCost:
 
 @dataclass
 class StepRow:
-    """The engine and the anchor at one depth and request count."""
+    """The engine and the anchor at one depth and request count, with the replays run, and with them stubbed
+    (``*_alone``: the host's work alone; None when not measured)."""
 
     layers: int
     requests: int
     engine: HostCost
     anchor: HostCost
+    engine_alone: Optional[HostCost] = None
+    anchor_alone: Optional[HostCost] = None
 
 
 class StepClock:
@@ -180,48 +188,105 @@ def unwatched(engine: object) -> Callable[[], None]:
 
 
 def measure(depths: Sequence[int], requests: Sequence[int], repeats: int, device: str = "cpu",
-            unwatch: bool = False, stub_replays: bool = False) -> List[StepRow]:
-    """Every (depth, request count): the engine's and the anchor's cost per decode step (``unwatch``: the
-    engine taken off the guards' watch list after its first call; ``stub_replays``: see ``main``)."""
+            unwatch: bool = False, alone: bool = True) -> List[StepRow]:
+    """Every (depth, request count): the engine's and the anchor's cost per decode step, with the replays run
+    and (``alone``) stubbed (``unwatch``: the engine taken off the guards' watch list after its first call)."""
     rows = []
+    engine_steps = [(ServeLoop, "step", _Decoded())]
+    anchor_steps = [(ModelRunner, "decode", lambda runner: True)]
     with torch.no_grad():
         for layers in depths:
             for count in requests:
                 call, built = engine_call(layers, count, device)
-                engine = host_cost(call, [(ServeLoop, "step", _Decoded())], repeats,
-                                   unwatched(built) if unwatch else lambda: None, stub_replays)
-                anchor = host_cost(anchor_call(layers, count), [(ModelRunner, "decode", lambda runner: True)], repeats,
-                                   stub_replays=stub_replays)
-                rows.append(StepRow(layers, count, engine, anchor))
+                anchor = anchor_call(layers, count)
+                row = StepRow(layers, count, host_cost(call, engine_steps, repeats,
+                                                       unwatched(built) if unwatch else lambda: None),
+                              host_cost(anchor, anchor_steps, repeats))
+                if alone:
+                    row.engine_alone = host_cost(call, engine_steps, repeats, stub_replays=True)
+                    row.anchor_alone = host_cost(anchor, anchor_steps, repeats, stub_replays=True)
+                rows.append(row)
     return rows
 
 
 def format_rows(rows: Sequence[StepRow]) -> List[str]:
-    """A Markdown table: host ms per decode step (CPU clock, then wall), the engine against the anchor."""
-    lines = ["| layers | requests | engine host ms/step (CPU) | anchor (CPU) | engine/anchor | engine wall | "
-             "anchor wall | replay ms/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """A Markdown table: host ms per decode step (CPU clock), the engine against the anchor, with the replays
+    run (and the engine's wall clock) and stubbed (the host's work alone)."""
+    def cost(value: Optional[HostCost]) -> str:
+        return "" if value is None else f"{value.cpu_ms:.3f}"
+
+    def ratio(engine: Optional[HostCost], anchor: Optional[HostCost]) -> str:
+        return "" if engine is None or anchor is None or anchor.cpu_ms <= 0 else f"{engine.cpu_ms / anchor.cpu_ms:.2f}"
+
+    lines = ["| layers | requests | engine | anchor | engine/anchor | engine wall | replay ms | engine alone | "
+             "anchor alone | alone: engine/anchor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        ratio = row.engine.cpu_ms / row.anchor.cpu_ms if row.anchor.cpu_ms > 0 else float("nan")
-        lines.append(f"| {row.layers} | {row.requests} | {row.engine.cpu_ms:.3f} | {row.anchor.cpu_ms:.3f} | "
-                     f"{ratio:.2f} | {row.engine.wall_ms:.3f} | {row.anchor.wall_ms:.3f} | {row.engine.replay_ms:.2f} |")
+        lines.append(f"| {row.layers} | {row.requests} | {cost(row.engine)} | {cost(row.anchor)} | "
+                     f"{ratio(row.engine, row.anchor)} | {row.engine.wall_ms:.3f} | {row.engine.replay_ms:.2f} | "
+                     f"{cost(row.engine_alone)} | {cost(row.anchor_alone)} | {ratio(row.engine_alone, row.anchor_alone)} |")
     return lines
 
 
-def depth_ratios(rows: Sequence[StepRow]) -> Dict[int, float]:
+def depth_ratios(rows: Sequence[StepRow], alone: bool = False) -> Dict[int, float]:
     """Per request count: the engine's host CPU ms at the deepest model over the shallowest's."""
     ratios = {}
     for count in sorted({row.requests for row in rows}):
-        by_depth = sorted((row.layers, row.engine.cpu_ms) for row in rows if row.requests == count)
-        if len(by_depth) > 1 and by_depth[0][1] > 0:
-            ratios[count] = by_depth[-1][1] / by_depth[0][1]
+        by_depth = sorted((row.layers, (row.engine_alone if alone else row.engine)) for row in rows
+                          if row.requests == count)
+        if len(by_depth) > 1 and by_depth[0][1] is not None and by_depth[0][1].cpu_ms > 0:
+            ratios[count] = by_depth[-1][1].cpu_ms / by_depth[0][1].cpu_ms
     return ratios
+
+
+def targets(rows: Sequence[StepRow]) -> List[Tuple[str, str, bool]]:
+    """Issue 47's targets on this machine, each (target, what was measured, met), with the replays run and
+    with the host's work alone."""
+    found = []
+    for label, engine_of, anchor_of, alone in (("", lambda row: row.engine, lambda row: row.anchor, False),
+                                               (" (alone)", lambda row: row.engine_alone,
+                                                lambda row: row.anchor_alone, True)):
+        measured = [row for row in rows if engine_of(row) is not None]
+        if not measured:
+            continue
+        four = [engine_of(row).cpu_ms for row in measured if row.requests == 4]
+        if four:
+            found.append((f"<= 0.3 ms at 4 requests, every depth{label}", f"max {max(four):.3f} ms", max(four) <= 0.3))
+        sixteen = [engine_of(row).cpu_ms for row in measured if row.requests == 16]
+        if sixteen:
+            found.append((f"<= 0.5 ms at 16 requests{label}", f"max {max(sixteen):.3f} ms", max(sixteen) <= 0.5))
+        ratios = depth_ratios(measured, alone)
+        if ratios:
+            found.append((f"deepest within 1.2x of 1 layer{label}",
+                          ", ".join(f"{count} requests {ratio:.2f}x" for count, ratio in ratios.items()),
+                          max(ratios.values()) <= 1.2))
+        over = [engine_of(row).cpu_ms / anchor_of(row).cpu_ms for row in measured if anchor_of(row).cpu_ms > 0]
+        found.append((f"<= the anchor's{label}", f"max {max(over):.2f}x the anchor's", max(over) <= 1.0))
+    return found
+
+
+def format_targets(found: Sequence[Tuple[str, str, bool]]) -> List[str]:
+    return [f"target {name}: {measured}: {'met' if met else 'NOT met'}" for name, measured, met in found]
 
 
 def as_json(rows: Sequence[StepRow]) -> Dict[str, object]:
     return {"rows": [asdict(row) for row in rows], "depth_ratio": depth_ratios(rows),
+            "targets": [{"target": name, "measured": measured, "met": met} for name, measured, met in targets(rows)],
             "method": f"median over decode steps (ServeLoop.step; the anchor's decode()) of generate() calls of "
-                      f"{NEW_TOKENS} new tokens, prompts of {PROMPT_TOKENS}, replays subtracted"}
+                      f"{NEW_TOKENS} new tokens, prompts of {PROMPT_TOKENS}, replays subtracted (and stubbed: alone)"}
+
+
+def format_json(doc: Dict[str, object]) -> List[str]:
+    """``as_json``'s document as printed: the table and the targets."""
+    def cost(value: Optional[Dict[str, float]]) -> Optional[HostCost]:
+        return None if value is None else HostCost(**value)
+
+    rows = [StepRow(row["layers"], row["requests"], *(cost(row[name]) for name in
+                                                     ("engine", "anchor", "engine_alone", "anchor_alone")))
+            for row in doc["rows"]]
+    seconds = f"; {doc['seconds']:.0f} s" if "seconds" in doc else ""
+    return ["", f"engine host ms per decode step (this thread's CPU time; {doc['method']}{seconds}):",
+            *format_rows(rows), *format_targets(targets(rows))]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -231,17 +296,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--unwatch", action="store_true",
                         help="take the engine off the guards' watch list after its first call")
-    parser.add_argument("--stub-replays", action="store_true",
-                        help="the timed calls' replays do nothing (tokens unchecked): the host's work alone, without "
-                             "the emulated replay evicting its caches on the same core, as a GPU's work would not")
+    parser.add_argument("--no-alone", action="store_true", help="skip the runs with the replays stubbed")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     depths = [int(value) for value in args.layers.split(",")]
     counts = [int(value) for value in args.requests.split(",")]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    rows = measure(depths, counts, args.repeats, unwatch=args.unwatch, stub_replays=args.stub_replays)
-    print("\n".join(format_rows(rows)))
-    print("deepest over shallowest (engine, CPU):", {count: round(ratio, 2) for count, ratio in depth_ratios(rows).items()})
+    rows = measure(depths, counts, args.repeats, unwatch=args.unwatch, alone=not args.no_alone)
+    print("\n".join(format_json(as_json(rows))))
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
