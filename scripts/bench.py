@@ -43,7 +43,6 @@ from bench_floor import (
     one_op_runners,
     wrap_floor,
 )
-import bench_engine_step
 from bench_guards import DEPTHS, format_guards, guard_scaling, guard_summary
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
@@ -56,6 +55,7 @@ from bench_lib import (
     model_config,
     parameter_count,
 )
+import bench_engine_step
 from bench_load import LoadSample, format_load, load_verdict, sample_load
 from bench_multistep import format_multistep, measure_multistep
 from bench_peer import compiled_step, warm_compiled
@@ -457,6 +457,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if doc["piecewise"] is not None:
         print("\n".join(format_piecewise(doc["piecewise"])))
     print("\n".join(format_multistep(doc["multistep"])))
+    engine_host = doc["engine_host"]
+    print(f"\nengine host ms per decode step: skipped, {engine_host['skipped']}" if "skipped" in engine_host
+          else "\n".join(bench_engine_step.format_json(engine_host)))
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")
@@ -464,9 +467,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     guards = doc["guards"]
     print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(format_guards(guards)))
-    engine_host = doc["engine_host"]
-    print(f"\nengine host ms per decode step: skipped, {engine_host['skipped']}" if "skipped" in engine_host
-          else "\n".join(bench_engine_step.format_json(engine_host)))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     print("\n".join(format_targets(doc["floor"]["targets"])))
