@@ -101,7 +101,7 @@ class StepViews:
     carried_ids: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class Launched:
     """A launched step: its chosen tokens on their way to the host (None: it chose none)."""
 
@@ -139,7 +139,10 @@ class EngineSteps:
             return Launched(buffers.copy_back("tokens", output.reshape(-1))), eager
         rows_at, tokens = self._chosen_views(chosen)
         rows = output if work.mode is ForwardMode.DECODE else output.index_select(0, rows_at)
-        self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
+        if self.chooser.greedy:
+            torch.argmax(rows, dim=-1, out=tokens)
+        else:
+            self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
         return Launched(buffers.copy_back("tokens", tokens)), eager
 
     def read(self, launched: Launched) -> List[int]:
@@ -270,8 +273,6 @@ class EngineSteps:
     def _chosen_rows(self, work: StepWork, chosen: int) -> ChosenRows:
         """The device views of what ``_write_chosen`` staged."""
         chooser, device = self.chooser, self.buffers.device_views
-        if chooser.greedy:
-            return ChosenRows(None, None, None, ())
         requests = [work.requests[position].index for position in work.sampled]
         ids = None
         if chooser.needs_ids:

@@ -32,7 +32,7 @@ TOKEN_REGIONS = ("input_ids", "positions", "out_cache_loc")
 REQUEST_REGIONS = ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_prefix_lens", "logits_indices")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CopyBack:
     """A result on its way to the host: ``count`` values of a result region of host arena ``arena``, and
     the event recorded after its copy (None off CUDA: the copy completed on the host)."""
