@@ -181,3 +181,14 @@ def test_the_engines_steps_move_no_state_epoch(engine):
         engine.generate(prompts, max_new_tokens=NEW_TOKENS)
         engine.generate(prompts, max_new_tokens=NEW_TOKENS, graphs=False)
     assert epoch.EPOCH[0] == before
+
+
+def test_a_step_budget_below_the_request_count_with_overlap(llama):
+    """A token budget of 2 for 4 requests: prompts prefill a chunk at a time beside decodes that read their
+    last token on the device, and every request gets generate()'s tokens, with overlap on and off."""
+    engine = graphrt.hf.engine_model(llama, max_requests=4, max_context=32, max_step_tokens=2, warmup_iters=1)
+    prompts = ragged_prompts([3, 2, 4, 5], seed=8)
+    with torch.no_grad():
+        tokens = [engine.generate(prompts, max_new_tokens=5, overlap=overlap) for overlap in (False, True)]
+    assert tokens[0] == tokens[1] == generate_alone(llama, prompts, 5)
+    assert engine.stats()["serve"]["max_running"] == 4

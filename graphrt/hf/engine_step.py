@@ -60,21 +60,22 @@ class StepArena:
         self.device = device
         self.max_requests = max_requests
         self.max_step_tokens = max_step_tokens
+        self.step_tokens = max(max_step_tokens, max_requests)  # a step's tokens: its budget, or a decode per request
         self.events = events
         self.table = pools.req_to_token.req_to_token.view(-1)
         self.buffers: Optional[InputBuffers] = None
         self.steps = 0
         self.history: Optional[torch.Tensor] = None
-        self.ids = torch.zeros(max_step_tokens, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(self.step_tokens, dtype=torch.int64, device=device)
         self.views: Dict[Any, Any] = {}  # views of the arenas per step size (graphrt.hf.engine_step.StepViews)
 
     def ready(self, steps: int, history: bool) -> None:
         """Sized for launches of ``steps`` decode steps (per call; reallocated only to grow), the history made."""
         if self.buffers is None or steps > self.steps:
-            rows, tokens = self.max_requests, max(self.max_step_tokens, self.max_requests * steps)
+            rows, tokens = self.max_requests, max(self.step_tokens, self.max_requests * steps)
             self.buffers = InputBuffers.allocate(
                 rows, tokens, device=self.device, events=self.events,
-                extra_regions={"table_index": tokens, "id_source": self.max_step_tokens, "chosen_rows": rows,
+                extra_regions={"table_index": tokens, "id_source": self.step_tokens, "chosen_rows": rows,
                                "chosen_table_rows": rows, "chosen_lengths": rows, "chosen_prompt_lengths": rows,
                                "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2},
                 result_regions={"tokens": rows * steps})
@@ -125,7 +126,7 @@ class EngineSteps:
         self.context = dict(req_to_token_pool=arena.pools.req_to_token, token_to_kv_pool=arena.pools.kv)
         buffers = self.buffers
         ids_offset = buffers.regions["input_ids"][0]
-        self.id_sources = np.arange(ids_offset, ids_offset + arena.max_step_tokens)  # a host id: its own row
+        self.id_sources = np.arange(ids_offset, ids_offset + arena.step_tokens)  # a host id: its own row
         self.tokens_offset = buffers.regions["tokens"][0]
         self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
 
