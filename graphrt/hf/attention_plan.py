@@ -1,7 +1,9 @@
 """Which keys each query row of a step reads, planned once per step for every layer (graphrt.hf.paged_attention).
 
 A query row is a request (a decode step: one token each) or a token (a prefill or mixed step: the
-tokens of every request, packed). Each row has its request's table row and its position; a layer
+tokens of every request, packed). Each row has its request's table row and its position, and its new
+KV slot goes into the request table (``req_to_token[row, position]``) when the plan is made, before any
+layer reads the table: a decode graph records that write with the step. A layer
 reads, per row, the KV slots of the keys it may see and which of them it sees: every position up to
 its own through the request table (full attention, ``width`` columns: the decode runner's width, or
 the step's longest request), the last ``window`` positions through the request table (a paged
@@ -60,6 +62,8 @@ class StepPlan:
             self.positions = batch.seq_lens.to(torch.int64) - 1
             lengths = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens  # eager steps only
             self.width = width if width is not None else max(1, int(lengths.max()))
+        rows = self.rows.shape[0]  # the step's new tokens take their slots in the table before any layer reads it
+        table.index_put_((self.rows, batch.positions[:rows].to(torch.int64)), batch.out_cache_loc[:rows].to(table.dtype))
         self._reads: Dict[Tuple[int, int], KeyReads] = {}
 
     @property

@@ -5,9 +5,10 @@ step is written into the host half of graphrt.host's double-buffered arena (``wr
 one batch-building path of host-built batches, plus the engine's own regions: where the step's KV
 slots go in the request table, where a decode's input id comes from, the chosen rows' ids and sampling
 parameters) and staged with one non-blocking copy from pinned memory. On the device, with no read:
-the request table takes the step's slots (one ``index_copy_``), a decode whose last token was never
-read takes it from the tokens the previous step chose (one ``index_select`` over the arena), the
-token history takes the step's ids where the call's rules read them, then the runner runs the batch
+a decode whose last token was never read takes it from the tokens the previous step chose (one
+``index_select`` over the arena), the token history takes the step's ids where the call's rules read
+them, then the runner runs the batch (the step writes its new KV slots into the request table itself,
+graphrt.hf.attention_plan)
 and the call's ``TokenChooser`` writes each chosen row's token into the arena's ``tokens`` region,
 copied back into the host half with one non-blocking copy. ``read`` waits for that copy: the one
 synchronization of a step. Nothing here assigns to an object a guard watches: per step only locals,
@@ -62,7 +63,6 @@ class StepArena:
         self.max_step_tokens = max_step_tokens
         self.step_tokens = max(max_step_tokens, max_requests)  # a step's tokens: its budget, or a decode per request
         self.events = events
-        self.table = pools.req_to_token.req_to_token.view(-1)
         self.buffers: Optional[InputBuffers] = None
         self.steps = 0
         self.history: Optional[torch.Tensor] = None
@@ -129,6 +129,7 @@ class EngineSteps:
         self.id_sources = np.arange(ids_offset, ids_offset + arena.step_tokens)  # a host id: its own row
         self.tokens_offset = buffers.regions["tokens"][0]
         self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
+        self._runners: Dict[Any, Tuple[Any, Any]] = {}  # the call's runners by kind of step (decode width, prefill)
 
     def launch(self, work: StepWork) -> Tuple[Launched, int]:
         """Run ``work`` and start copying its chosen tokens back; how many steps ran the model eagerly."""
@@ -154,7 +155,7 @@ class EngineSteps:
         """Stage ``work`` and run it: the runner's output (logits of its tokens, or a launch's tokens) and
         how many steps ran the model eagerly."""
         batch, longest = self._stage(work)
-        key, runner = self.runners.for_batch(self.graphs, batch, self.steps_per_launch, work.steps, longest)
+        key, runner = self._runner(batch, work, longest)
         counters = self.counters
         calls, start = counters.model_calls, time.perf_counter()
         output = runner(batch) if work.steps == 1 else runner.decode(batch, work.steps)
@@ -165,7 +166,22 @@ class EngineSteps:
         eager = counters.model_calls - calls
         if eager:
             self.runners.after_eager_step(key, runner)
+            self._runners.clear()  # a replay fault is captured again before the next step (EngineRunners.get)
         return output, eager
+
+    def _runner(self, batch: ForwardBatch, work: StepWork, longest: int) -> Tuple[Any, Any]:
+        """The runner of ``batch`` (EngineRunners.for_batch), kept for the call's later steps of its kind."""
+        if not self.graphs:
+            kind: Any = None
+        elif work.mode is ForwardMode.DECODE:
+            kind = self.runners.width_for(longest + work.steps - 1)
+        else:
+            kind = "prefill"
+        found = self._runners.get(kind)
+        if found is None:
+            found = self._runners[kind] = self.runners.for_batch(self.graphs, batch, self.steps_per_launch, work.steps,
+                                                                 longest)
+        return found
 
     # ---- staging ----------------------------------------------------------------------------------
 
@@ -193,7 +209,8 @@ class EngineSteps:
         tokens, assigned = len(ids), len(slots)
         seq_lens = list(map(operator.add, starts, new_tokens))
         write_requests(host, 0, 0, ids, positions, slots, new_tokens, seq_lens, rows, extend)
-        host["table_index"][:assigned] = table_index
+        if self.history is not None:  # where the rules read each token's id (the step writes its slot in the table)
+            host["table_index"][:assigned] = table_index
         if work.carried:
             source = host["id_source"]
             source[:tokens] = self.id_sources[:tokens]
@@ -203,7 +220,6 @@ class EngineSteps:
             self._write_chosen(work, host, rows, seq_lens, counts)
         buffers.stage(requests)
         device = self._views(requests, tokens, assigned)
-        self.arena.table.index_copy_(0, device.table_index, device.out_cache_loc)
         input_ids = device.input_ids
         if work.carried:
             input_ids = torch.index_select(buffers.device_arena, 0, device.id_source, out=device.carried_ids)
