@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from bench_engine_step import _Decoded
+from bench_engine_step import DecodeSteps
 
 import graphrt.hf
 from graphrt.hf.serve import ServeLoop
@@ -65,7 +65,7 @@ def step_events(engine: graphrt.hf.HFEngine, prompts: List[List[int]], new_token
         finally:
             waited[0] += time.perf_counter() - begin
 
-    decoded = _Decoded()
+    decoded = DecodeSteps()
 
     def timed_step(loop: ServeLoop) -> Any:
         waited[0], marks[:] = 0.0, []

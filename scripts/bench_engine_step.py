@@ -147,7 +147,7 @@ def host_cost(call: Callable[[], object], steps: Sequence[Tuple[type, str, Calla
     return HostCost(*(1e3 * part for part in parts), len(clock.samples))
 
 
-class _Decoded:
+class DecodeSteps:
     """Whether the last ServeLoop.step of a loop launched a decode step (its decode count moved)."""
 
     def __init__(self) -> None:
@@ -192,7 +192,7 @@ def measure(depths: Sequence[int], requests: Sequence[int], repeats: int, device
     """Every (depth, request count): the engine's and the anchor's cost per decode step, with the replays run
     and (``alone``) stubbed (``unwatch``: the engine taken off the guards' watch list after its first call)."""
     rows = []
-    engine_steps = [(ServeLoop, "step", _Decoded())]
+    engine_steps = [(ServeLoop, "step", DecodeSteps())]
     anchor_steps = [(ModelRunner, "decode", lambda runner: True)]
     with torch.no_grad():
         for layers in depths:
