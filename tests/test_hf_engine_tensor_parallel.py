@@ -94,7 +94,7 @@ def serve_family(family: str) -> dict:
 
 def refusals(engine, prompts, rank: int) -> dict:
     """Calls one rank refuses, both refuse, or the ranks make differently: raised on every rank, no step run."""
-    calls_before = engine._model_calls
+    calls_before = engine._counters.model_calls
     found = {}
     bad = [[5, 999]]  # token id 999 is outside the vocabulary (128)
     for name, mine in (("both_bad", bad), ("rank1_bad", bad if rank == 1 else prompts),
@@ -104,7 +104,7 @@ def refusals(engine, prompts, rank: int) -> dict:
             found[name] = None
         except ValueError as error:
             found[name] = str(error)
-    found["model_calls"] = engine._model_calls - calls_before
+    found["model_calls"] = engine._counters.model_calls - calls_before
     try:
         graphrt.hf.engine_model(tiny_model("llama", num_key_value_heads=1), process_group=dist.group.WORLD)
     except ValueError as error:
