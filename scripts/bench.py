@@ -43,7 +43,8 @@ from bench_floor import (
     one_op_runners,
     wrap_floor,
 )
-from bench_guards import DEPTHS, format_guards, guard_scaling, guard_summary
+from bench_guards import (DEPTHS, REREAD_DEPTHS, format_guards, format_reread, guard_scaling, guard_summary,
+                          reread_scaling, reread_summary)
 from bench_hf import format_hf, measure_hf_generate
 from bench_lib import (
     PRESETS,
@@ -55,6 +56,7 @@ from bench_lib import (
     model_config,
     parameter_count,
 )
+import bench_engine_step
 from bench_load import LoadSample, format_load, load_verdict, sample_load
 from bench_multistep import format_multistep, measure_multistep
 from bench_peer import compiled_step, warm_compiled
@@ -355,6 +357,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         multistep = run_multistep(settings, config, rng)
     hf = hf_summary(settings)
     guards = guards_summary(settings)
+    engine_host = engine_host_summary(settings)
     load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
     batches = [dataclasses.asdict(result) for result in results]
@@ -376,7 +379,9 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "batches": batches,
         "floor": {"wrap": wrap_doc,
                   "targets": {**floor_targets(batches, wrap_doc["costs"], piecewise["steps"] if piecewise else []),
-                              **({"guards": guard_summary(guards["costs"])} if "costs" in guards else {})}},
+                              **({"guards": guard_summary(guards["costs"]),
+                                  "guards_reread": reread_summary(guards["reread"]["costs"])}
+                                 if "costs" in guards else {})}},
         "guards": guards,
         "throughput": {
             **dataclasses.asdict(throughput),
@@ -391,6 +396,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
         "hf_generate": hf,
+        "engine_host": engine_host,
     }
     return doc
 
@@ -407,16 +413,32 @@ def hf_summary(settings: Settings) -> Dict[str, Any]:
 
 
 def guards_summary(settings: Settings) -> Dict[str, Any]:
-    """The guards' per-call cost on a tiny HF Llama at growing depths (bench_guards), or why it was skipped
-    (``--quick``: 2 and 8 layers only)."""
+    """The guards' per-call cost on a tiny HF Llama at growing depths, and their re-read after one assignment
+    (bench_guards), or why it was skipped (``--quick``: 2 and 8 layers only; the re-read at 2)."""
     if not settings.hf:
         return {"skipped": "--no-hf"}
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "transformers is not installed"}
     depths = DEPTHS[:2] if settings.quick else DEPTHS
-    timed = guard_scaling(settings.device, Clock(settings.device, settings.sample_ms / 1e3), settings.floor_iters,
-                          settings.warmup, depths)
-    return dataclasses.asdict(timed)
+    clock = Clock(settings.device, settings.sample_ms / 1e3)
+    timed = guard_scaling(settings.device, clock, settings.floor_iters, settings.warmup, depths)
+    reread = reread_scaling(settings.device, clock, settings.floor_iters, settings.warmup,
+                            REREAD_DEPTHS[:1] if settings.quick else REREAD_DEPTHS)
+    return {**dataclasses.asdict(timed), "reread": dataclasses.asdict(reread)}
+
+
+def engine_host_summary(settings: Settings) -> Dict[str, Any]:
+    """The engine's host ms per decode step against the nano-vllm-shaped anchor at growing depths and request
+    counts (bench_engine_step), or why it was skipped (``--quick``: 1 and 4 layers at 4 requests, one call each)."""
+    if not settings.hf:
+        return {"skipped": "--no-hf"}
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    engine = bench_engine_step
+    depths, requests = (engine.QUICK_DEPTHS, engine.QUICK_REQUESTS) if settings.quick else (engine.DEPTHS, engine.REQUESTS)
+    start = time.perf_counter()
+    rows = engine.measure(depths, requests, 1 if settings.quick else 3)
+    return {**engine.as_json(rows), "seconds": time.perf_counter() - start}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -440,13 +462,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if doc["piecewise"] is not None:
         print("\n".join(format_piecewise(doc["piecewise"])))
     print("\n".join(format_multistep(doc["multistep"])))
+    engine_host = doc["engine_host"]
+    print(f"\nengine host ms per decode step: skipped, {engine_host['skipped']}" if "skipped" in engine_host
+          else "\n".join(bench_engine_step.format_json(engine_host)))
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")
     hf = doc["hf_generate"]
     print(f"\nHugging Face generate(): skipped, {hf['skipped']}" if "skipped" in hf else "\n".join(format_hf(hf)))
     guards = doc["guards"]
-    print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(format_guards(guards)))
+    print(f"\nguards by depth: skipped, {guards['skipped']}" if "skipped" in guards else "\n".join(
+        format_guards(guards) + format_reread(guards["reread"])))
     print("\npadded-token waste on synthetic traces (max 64): default capture sizes vs tuned from traffic")
     print("\n".join(format_study(doc["capture_sizes_study"])))
     print("\n".join(format_targets(doc["floor"]["targets"])))

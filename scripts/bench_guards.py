@@ -8,13 +8,19 @@ and, for a step that writes memory, aliasing of its staged tensors. None of that
 model's depth: the figure at 64 layers is the one at 2. Target: at most 0.5 trivial ops per call at
 every depth (``TARGET``); the one-op figures of bench_floor stay the budget's whole.
 
+After an API bumped the epoch, a key re-reads only what the bump names (graphrt.guards.epoch): the
+second figure (``reread_scaling``) is the check right after one attribute of a watched module was
+assigned (its own value again, so the guard still holds), minus the assignment alone, for the root
+model and for the last layer's attention, at 2 and 64 layers. Target: at most 10 trivial ops
+(``REREAD_TARGET``) at every depth.
+
 Run alone: ``PYTHONPATH=. python scripts/bench_guards.py`` (``make bench`` runs it too).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from bench_floor import format_cost, guard_check, target_summary
@@ -26,6 +32,8 @@ from graphrt import wrap
 
 DEPTHS = (2, 8, 32, 64)
 TARGET = 0.5  # trivial ops per call, at every depth
+REREAD_DEPTHS = (2, 64)
+REREAD_TARGET = 10.0  # trivial ops: one attribute assigned, then a call's check
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 3, 6, 4
 
 
@@ -59,9 +67,10 @@ def last_replay(fast: graphrt.GraphedCallable, run: Callable[[], Any]) -> Tuple[
     return seen["entry"], seen["leaves"]
 
 
-def generate_probe(layers: int, device: torch.device) -> Callable[[], Any]:
-    """graph_generate() of the tiny Llama: the guard check of its decode key on a real decode call."""
-    model = tiny_llama(layers, device)
+def generate_probe(layers: int, device: torch.device, model: Any = None) -> Callable[[], Any]:
+    """graph_generate() of the tiny Llama (``model``, else a new one): the guard check of its decode key
+    on a real decode call."""
+    model = tiny_llama(layers, device) if model is None else model
     fast = graph_generate(model, max_batch_size=4)
     prompts = torch.randint(3, 128, (PROMPTS, PROMPT_LEN), device=device)
 
@@ -102,6 +111,42 @@ def guard_scaling(device: torch.device, clock: Clock, iters: int, warmup: int,
     return time_costs(clock, probes, {name: (name, None, 1) for name, _ in probes}, iters, warmup)
 
 
+def reassign(module: torch.nn.Module, name: str) -> Callable[[], None]:
+    """Assign ``module.name`` its own value again: a bump of the epoch (a watched module) that leaves
+    every guard holding."""
+    value = getattr(module, name)
+
+    def assign() -> None:
+        setattr(module, name, value)
+
+    return assign
+
+
+def reread_scaling(device: torch.device, clock: Clock, iters: int, warmup: int,
+                   depths: Sequence[int] = REREAD_DEPTHS) -> Timed:
+    """graph_generate()'s decode-key check right after one attribute assignment, minus the assignment
+    alone, at each depth: on the root model and on the last layer's attention, in trivial ops."""
+    probes: List[Probe] = []
+    pairs: Dict[str, Tuple[str, Optional[str], int]] = {}
+    with torch.no_grad():
+        for layers in depths:
+            model = tiny_llama(layers, device)
+            check = generate_probe(layers, device, model)
+            for where, module, name in (("the model", model, "vocab_size"),
+                                        ("the last layer's attention", model.model.layers[-1].self_attn,
+                                         "layer_idx")):
+                assign = reassign(module, name)
+                label = f"graph_generate, {layers} layers, after an assignment to {where}"
+
+                def assign_and_check(assign: Callable[[], None] = assign) -> None:
+                    assign()
+                    checked(check)
+
+                probes += [(label, assign_and_check), (f"{label} (assignment alone)", assign)]
+                pairs[label] = (label, f"{label} (assignment alone)", 1)
+    return time_costs(clock, probes, pairs, iters, warmup)
+
+
 def guard_summary(costs: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
     """Every depth's figure against TARGET (bench_floor.target_summary)."""
     return target_summary("guards per call, tiny Llama at 2 to 64 layers (graph_generate and wrap())", TARGET,
@@ -110,19 +155,43 @@ def guard_summary(costs: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
 
 def format_guards(timed: Mapping[str, Any]) -> List[str]:
     """Report lines: one per front and depth (the JSON form of a Timed)."""
-    lines = ["", f"graphrt's guards per call as the model deepens (tiny random Llama, hidden 64): trivial ops; "
-                 f"target <= {TARGET:g} at every depth"]
-    for name, cost in timed["costs"].items():
-        lines.append(f"  {name}: {format_cost(cost, digits=2)}")
-    return lines
+    return _lines(f"graphrt's guards per call as the model deepens (tiny random Llama, hidden 64): trivial ops; "
+                  f"target <= {TARGET:g} at every depth", timed)
 
 
-def main() -> int:
+def _lines(title: str, timed: Mapping[str, Any]) -> List[str]:
+    return ["", title, *(f"  {name}: {format_cost(cost, digits=2)}" for name, cost in timed["costs"].items())]
+
+
+def reread_summary(costs: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
+    """Every depth's re-read figure against REREAD_TARGET (bench_floor.target_summary)."""
+    return target_summary("guards' re-read after one assignment, tiny Llama at 2 and 64 layers (graph_generate)",
+                          REREAD_TARGET, list(costs.values()))
+
+
+def format_reread(timed: Mapping[str, Any]) -> List[str]:
+    """Report lines of reread_scaling (the JSON form of its Timed)."""
+    return _lines(f"graphrt's guards after one attribute assignment (check after it - the assignment alone): trivial "
+                  f"ops; target <= {REREAD_TARGET:g} at every depth", timed)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
     import dataclasses
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reread-only", action="store_true", help="only the re-read after one assignment")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--depths", type=int, nargs="+", help="layer counts (default: 2, 8, 32, 64; re-read: 2, 64)")
+    options = parser.parse_args(argv)
     device = torch.device("cpu")
-    timed = dataclasses.asdict(guard_scaling(device, Clock(device, 2e-3), 30, 3))
-    print("\n".join(format_guards(timed)))
+    if not options.reread_only:
+        timed = dataclasses.asdict(guard_scaling(device, Clock(device, 2e-3), options.iters, 3,
+                                                 options.depths or DEPTHS))
+        print("\n".join(format_guards(timed)))
+    reread = dataclasses.asdict(reread_scaling(device, Clock(device, 2e-3), options.iters, 3,
+                                               options.depths or REREAD_DEPTHS))
+    print("\n".join(format_reread(reread)))
     return 0
 
 

@@ -14,15 +14,17 @@ A GPU is lent for 15 minutes of device time, the machine's start included, one c
    in float32, bfloat16 and ``batched_mm``, the engine families' CUDA test;
 6. ``engine``: scripts/bench_hf_engine.py on 4 layers and 4 requests (the engine row: ms per step in
    and outside the runner, eager and graphs; the decode step at one context; capture per engine);
-7. ``nccl``: lockstep on a one-rank NCCL group;
-8. ``rest``: every other cuda-marked test, the cheap files first and the cold inductor compiles
+7. ``engine_steps``: scripts/bench_hf_engine.py ``--device cuda --step-events`` (issue 47, item 6: host and
+   device ms per decode step, CUDA events, with graphs and eagerly, 4 layers, 4 requests);
+8. ``nccl``: lockstep on a one-rank NCCL group;
+9. ``rest``: every other cuda-marked test, the cheap files first and the cold inductor compiles
    (tests/test_compile.py) last, in what is left.
 
 Each step runs with at most its cap (its process group is killed there, and the step named as cut);
 a step whose cap no longer fits in what is left of the budget is skipped and named. The caps add up
 with ``rest``'s least share to less than the budget (``plan_line`` prints the sum in summary.txt). At
 most seven files go to ``--out`` ($OUT, else gpu_out): summary.txt (written first, then a line per
-step; the engine's table goes there) and one output file per step that has one. Every command runs
+step; the engine's tables go there) and one output file per step that has one. Every command runs
 with ``HF_HUB_OFFLINE=1`` (the GPU image has no network). ``GPU_SESSION_LAUNCHER``: a script put before
 every Python command line (tests/test_gpu_session.py rehearses the session over the fake torch.cuda with it).
 """
@@ -44,9 +46,10 @@ from typing import Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 540
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no network on the GPU image: never wait on one
-# The engine row: 4 layers (the bench's model), 4 requests at once, the decode step at one context. The host
-# and device timing flag of scripts/bench_hf_engine.py (issue 47's engine work) goes after these arguments.
+# The engine row: 4 layers (the bench's model), 4 requests at once, the decode step at one context; then the
+# host and device ms per decode step (issue 47, item 6), on CUDA by name (no silent fall back to the CPU).
 ENGINE_BENCH = ["scripts/bench_hf_engine.py", "--max-requests", "4", "--contexts", "1024"]
+ENGINE_STEP_EVENTS = ["scripts/bench_hf_engine.py", "--device", "cuda", "--max-requests", "4", "--step-events"]
 TEST_TIMEOUT_S = 120  # one test at most (pytest-timeout, where installed): a hang costs a test, not the session
 NCCL_TEST = "tests/test_lockstep_agreement.py::test_one_rank_nccl_group_captures_the_models_all_reduce_in_the_graph"
 ENGINE_FAMILIES_TEST = "tests/test_hf_engine_families.py::test_engine_on_cuda_graphs_keeps_generate_tokens"
@@ -114,13 +117,14 @@ def session_steps() -> List[Step]:
     CUDA: 5 to 8 s each, issue 48's reading of the 13-interpreter probes step at 60 to 110 s) per process
     plus the step's own work; ``rest`` takes what is left, at least its cap."""
     return [
-        Step("versions", 30, [["-c", VERSIONS]]),
+        Step("versions", 20, [["-c", VERSIONS]]),  # one interpreter: 5 s on the CPU rehearsal
         Step("probes", 45, [["scripts/gpu_probe.py"]], "probes.jsonl"),  # one interpreter: about 10 s and 12 probes
         Step("fixes", 90, [pytest_command("-m", "cuda", *FIXES)], "fixes.log"),
-        Step("pools", 60, [["scripts/gpu_checks.py"]], "pools.jsonl"),  # 3 checks, a process each
+        Step("pools", 50, [["scripts/gpu_checks.py"]], "pools.jsonl"),  # 3 checks, a process each: 17 s on the CPU
         Step("hf", 120, [pytest_command("-m", "cuda", *HF)], "hf.log"),
-        Step("engine", 75, [ENGINE_BENCH]),  # its table goes to summary.txt
-        Step("nccl", 45, [pytest_command("-rA", NCCL_TEST)], "nccl.log", {"NCCL_DEBUG": "WARN"}),
+        Step("engine", 65, [ENGINE_BENCH]),  # its tables go to summary.txt; 41 s on the CPU rehearsal (load 10)
+        Step("engine_steps", 35, [ENGINE_STEP_EVENTS]),  # its table goes to summary.txt; 30 s on the CPU (load 4)
+        Step("nccl", 40, [pytest_command("-rA", NCCL_TEST)], "nccl.log", {"NCCL_DEBUG": "WARN"}),
         Step("rest", 45, [pytest_command("-m", "cuda", "--deselect", NCCL_TEST, *remaining_cuda_files())], "rest.log",
              takes_rest=True),
     ]

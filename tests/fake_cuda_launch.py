@@ -29,8 +29,9 @@ def main(args: list) -> None:
     elif args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
+    else:  # as ``python SCRIPT`` runs it: the script's folder first on the path (its sibling modules import)
         sys.argv = list(args)
+        sys.path.insert(0, str(Path(args[0]).resolve().parent))
         runpy.run_path(args[0], run_name="__main__")
 
 

@@ -166,8 +166,13 @@ def check_floor_and_load(doc: dict, printed: str) -> None:
         assert list(guards["costs"]) == [f"{front}, {layers} layers" for layers in (2, 8)
                                          for front in ("graph_generate", "wrap()")]
         check_costs(guards["costs"].values())
-        assert {name: summary["target"] for name, summary in targets.items()} == {**TARGETS, "guards": 0.5}
+        assert {name: summary["target"] for name, summary in targets.items()} == {**TARGETS, "guards": 0.5,
+                                                                                   "guards_reread": 10.0}
         assert len(targets["guards"]["medians"]) == 4 and "as the model deepens" in printed
+        assert list(guards["reread"]["costs"]) == [f"graph_generate, 2 layers, after an assignment to {where}" for
+                                                   where in ("the model", "the last layer's attention")]
+        check_costs(guards["reread"]["costs"].values())
+        assert len(targets["guards_reread"]["medians"]) == 2 and "after one attribute assignment" in printed
     assert len(targets["runner"]["medians"]) == len(targets["runner_metadata_only"]["medians"]) == 2  # batch sizes
     for summary in targets.values():
         assert summary["within_target"] == all(each == "yes" for each in summary["verdicts"])

@@ -19,6 +19,7 @@ from typing import Any, Callable, List
 import pytest
 import torch
 from fake_cuda import TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES, FakeCuda, RecordingMode, install
+from test_cuda_first_run import DrawingModel
 from test_cuda_pool import checks, device, older_objects_frozen, statuses  # noqa: F401 - fixtures
 
 import graphrt
@@ -146,19 +147,6 @@ def _error_of_draw(device: str) -> str:
         return str(error).splitlines()[0]
 
 
-class Drawing(torch.nn.Module):
-    """``inner`` whose step also draws from the default generator (noise scaled to nothing, so the step's
-    values are ``inner``'s): its graph has a whole-graph increment, so each replay advances the generator."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, positions, forward_batch):
-        logits = self.inner(input_ids, positions, forward_batch)
-        return logits + 0.0 * torch.rand_like(logits)
-
-
 @pytest.mark.parametrize("draws", [False, True], ids=["draws-nothing", "draws"])
 def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks, draws):
     """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread). Up to
@@ -169,7 +157,7 @@ def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(dev
     began, go = threading.Event(), threading.Event()
     model = checks.Misbehaving(device=device.name)
     if draws:
-        model = Drawing(model)
+        model = DrawingModel(model)  # a whole-graph increment: each replay advances the generator
     runner = checks.runner_for(model, device.name, [2])
     runner.capture()
 

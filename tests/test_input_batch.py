@@ -399,6 +399,16 @@ def test_the_copy_events_record_on_the_stream_of_the_arenas_device(monkeypatch):
     assert events[0].streams == [("stream of", buffers.device)]
 
 
+def test_the_copy_back_event_records_on_the_stream_of_the_arenas_device(monkeypatch):
+    """Issue 48, item 6 on the copy back the engine reads its tokens through (issue 47): the copy from the
+    device arena runs on its device's current stream, so the event ``read_back`` waits for records there."""
+    buffers = make_buffers(result_regions={"tokens": 4})
+    events = buffers.result_events = [CopyEvent("arena 0", []), CopyEvent("arena 1", [])]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    copied = buffers.copy_back("tokens", torch.tensor([7, 8, 9]))
+    assert events[0].streams == [("stream of", buffers.device)] and buffers.read_back(copied) == [7, 8, 9]
+
+
 def test_batch_views_follow_the_next_build():
     buffers = make_buffers()
     first = InputBatch.from_requests(["a"], [[1, 2]], [[0, 1]], buffers)

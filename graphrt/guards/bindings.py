@@ -10,20 +10,22 @@ and keeps every link of those paths.
 
 Links held by a module (its tables and attributes) or by an object whose class graphrt watches
 (graphrt.guards.epoch.watch_class) change only through ``__setattr__`` or torch's registration
-APIs, which bump the state epoch: they are read again only after it moved. Links held by lists
-and dicts are compared on every call, one C-level pass per container (graphrt.guards.live_checks).
+APIs, which bump the state epoch naming the object and the attribute: after it moved, only the
+links the changes name are read again (an object is watched for the names of its links only, so
+its other attributes bump nothing). Links held by lists and dicts are compared on every call, one
+C-level pass per container (graphrt.guards.live_checks).
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
-from graphrt.guards.epoch import watch, watch_class
+from graphrt.guards.epoch import Change, watch, watch_class
 from graphrt.guards.live_checks import Same
 
 MAX_DEPTH = 4  # containers followed below an object argument, as RebindGuard
@@ -37,6 +39,7 @@ class Link(NamedTuple):
     key: Any
     expected: Any
     path: str
+    owner: int = 0  # the id of the module or watched object whose assignments change the container
 
 
 class Bindings:
@@ -53,15 +56,37 @@ class Bindings:
                      for container, links in by_container.values()]
         links = (*self.gated, *live)
         self._tensors = [(link, _where(link.expected)) for link in links if isinstance(link.expected, torch.Tensor)]
-
-    def rebound(self) -> Optional[Tuple[str, str]]:
-        """``(reason, words)`` for the first link held by a module or watched object that now holds
-        another object, or a tensor moved (dtype, device, memory), else None."""
+        self._where = {id(link): where for link, where in self._tensors}
+        self._by_owner: Dict[int, List[Link]] = {}
         for link in self.gated:
+            self._by_owner.setdefault(link.owner, []).append(link)
+
+    def rebound(self, changes: Optional[Iterable[Change]] = None) -> Optional[Tuple[str, str]]:
+        """``(reason, words)`` for the first link held by a module or watched object that now holds
+        another object, or a tensor moved (dtype, device, memory), else None: every link, or, given
+        ``changes`` (``(id, aspect)``), those of the objects they name (by attribute name when the aspect
+        is one)."""
+        if changes is None:
+            return self._rebound(self.gated, self._tensors)
+        named: List[Link] = []
+        for owner, aspect in changes:
+            links = self._by_owner.get(owner)
+            if links:
+                named += [link for link in links if link.key == aspect or not isinstance(aspect, str)
+                          or aspect.startswith("__")]  # ALL, HOOKS, __class__: every link of the object
+        if not named:
+            return None
+        where = self._where
+        return self._rebound(named, [(link, where[id(link)]) for link in named if id(link) in where])
+
+    @staticmethod
+    def _rebound(gated: Sequence[Link], tensors: Sequence[Tuple[Link, Tuple[int, torch.dtype, torch.device]]]
+                 ) -> Optional[Tuple[str, str]]:
+        for link in gated:
             bound = _bound(link)
             if bound is not link.expected:
                 return rebound(link.path, link.expected, bound)
-        for link, (address, dtype, device) in self._tensors:
+        for link, (address, dtype, device) in tensors:
             tensor = link.expected
             if tensor.dtype != dtype or tensor.device != device:
                 return "module_moved", (f"{link.path} {_dtype(dtype)} on {device} -> {_dtype(tensor.dtype)} on "
@@ -176,13 +201,13 @@ class _Finder:
         for table in (module._parameters, module._buffers, module._modules):
             for name, child in table.items():
                 if child is not None and self.visit(child, f"{path}.{name}", 0, True):
-                    self.gated.append(Link(table, name, child, f"{path}.{name}"))
+                    self.gated.append(Link(table, name, child, f"{path}.{name}", id(module)))
                     found = True
         attributes = vars(module)
         for name, child in attributes.items():  # plain attributes: tensors and containers of them
             if not name.startswith("_") and isinstance(child, (torch.Tensor, list, tuple, dict)) and (
                     self.visit(child, f"{path}.{name}", 1, True)):
-                self.gated.append(Link(attributes, name, child, f"{path}.{name}"))
+                self.gated.append(Link(attributes, name, child, f"{path}.{name}", id(module)))
                 found = True
         if found:
             watch(module)
@@ -199,11 +224,11 @@ class _Finder:
             items, container, form = list(value.items()), value, "{}[{!r}]"
         else:
             items, container, form = list(vars(value).items()), vars(value), "{}.{}"
-        found = [Link(container, key, child, form.format(path, key)) for key, child in items
+        found = [Link(container, key, child, form.format(path, key), id(value)) for key, child in items
                  if self.visit(child, form.format(path, key), depth + 1, inside_module and container is value)]
         if found:  # an object's attributes: read again after an assignment bumped the epoch, if its class allows
             watched = container is not value and watch_class(type(value))
             (self.gated if watched else self.live).extend(found)
-            if watched:
-                watch(value)
+            if watched:  # its links' names only: the object's own bookkeeping (an engine's timers) bumps nothing
+                watch(value, frozenset(link.key for link in found))
         return bool(found)

@@ -16,23 +16,62 @@ attribute assignment to it before it happens (graphrt.guards.assignments).
 
 Code torch.compile traces bumps nothing: a global it reads would be guarded on, and bumping it
 would recompile every call.
+
+A bump says what changed: it appends ``(id of the object, aspect)`` to ``CHANGES`` (the aspect is an
+attribute's name, or one of ``ALL``, ``TRAINING``, ``HOOKS``), so a key re-reads only the state of
+what changed since it last looked (``changes_since``), not every module it ran. An object watched
+for some attribute names only (``watch(obj, names)``: an engine whose ``model`` a guard reads) bumps
+only when one of those is assigned: graphrt's own bookkeeping (an engine's timers and counters)
+moves nothing. The rule that keeps the per-call check at one integer compare: nothing on graphrt's
+own per-step path assigns to a watched object.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Set, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-# The epoch (a list: one cell, read by index on every call).
+# The epoch (a list: one cell, read by index on every call): a new value from ``_tickets`` after every
+# change, never one it held before (two threads bumping at once cannot bring an old value back).
 EPOCH = [0]
+_tickets = itertools.count(1)
 # ids of the modules and objects some guard reads: only their changes bump (building or changing
 # another model, as torch.fx does for each recording, costs no guard a re-read).
 WATCHED: Dict[int, Any] = {}
+# Objects watched for some attribute names only (id -> the names): another name assigned bumps nothing.
+WATCHED_NAMES: Dict[int, Set[str]] = {}
+
+
+class Aspect:
+    """What changed of an object, when it is not one attribute (whose name is the aspect)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# What changed, in order: (id of the object, or of one of the keys below; the aspect). Appended before
+# the epoch moves, so a key that sees the epoch move finds the change here.
+Change = Tuple[int, Hashable]
+CHANGES: List[Change] = []
+ALL = Aspect("ALL")  # the whole object may have changed (``_apply``, a container mutator, an adapter's API)
+HOOKS = Aspect("HOOKS")  # a forward hook registered or removed (the id: the module, or the hook dict it was in)
+TRAINING = "training"  # ``train()``/``eval()``: the attribute it sets
+SETTINGS = -2  # the id of torch's global settings (graphrt.guards.python_state.torch_settings)
+GLOBAL_HOOKS = -3  # the id of the global forward hooks (register_module_forward_hook)
+MAX_CHANGES = 4096  # past this, the older half is dropped; a key that had not read it reads everything
+_changes_base = [0]  # how many changes were dropped from the front of CHANGES
+_changes_lock = threading.Lock()
 
 
 class _ActiveJournal(threading.local):
@@ -51,7 +90,8 @@ CONTAINER_MUTATORS = ("__setitem__", "__delitem__", "__iadd__", "__imul__", "ins
                       "popitem", "clear", "update", "setdefault")
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict, torch.nn.ParameterList,
               torch.nn.ParameterDict)
-MODULE_METHODS = ("train", "_apply", "register_forward_hook", "register_forward_pre_hook")
+# Module methods that bump, and the aspect of the module they change.
+MODULE_METHODS = {"train": TRAINING, "_apply": ALL, "register_forward_hook": HOOKS, "register_forward_pre_hook": HOOKS}
 GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook")
 # torch's global settings a step computes under (graphrt.guards.python_state.torch_settings): their setters bump.
 SETTING_FUNCTIONS = ("set_default_dtype", "set_default_tensor_type", "set_default_device",
@@ -59,20 +99,60 @@ SETTING_FUNCTIONS = ("set_default_dtype", "set_default_tensor_type", "set_defaul
 _watched_classes: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
-def watch(obj: Any) -> None:
-    """Changes to ``obj`` (a module or an object of a watched class) bump the epoch from now on."""
+def watch(obj: Any, names: Optional[FrozenSet[str]] = None) -> None:
+    """Changes to ``obj`` (a module or an object of a watched class) bump the epoch from now on;
+    ``names``: only assignments of those attributes (and changes through the APIs), else any."""
     key = id(obj)
     if key in WATCHED:
+        if key in WATCHED_NAMES:
+            if names is None:
+                del WATCHED_NAMES[key]
+            else:
+                WATCHED_NAMES[key] |= names
         return
+    if names is not None:
+        WATCHED_NAMES[key] = set(names)
     try:
-        WATCHED[key] = weakref.ref(obj, lambda _, key=key: WATCHED.pop(key, None))
+        WATCHED[key] = weakref.ref(obj, functools.partial(_forget, key))
     except TypeError:  # not weakly referenceable: kept by id (a reused id costs a re-read, never a miss)
         WATCHED[key] = None
 
 
-def _bumping(original: Callable[..., Any], of_self: bool = True) -> Callable[..., Any]:
-    """``original``, then a bump (after: a guard reading in between sees the change); ``of_self``:
-    only when its first argument (``self``) is watched."""
+def _forget(key: int, _: Any) -> None:
+    WATCHED.pop(key, None)
+    WATCHED_NAMES.pop(key, None)
+
+
+def bump(key: int, aspect: Hashable) -> None:
+    """Tell every key that ``aspect`` of the object ``key`` (an id, or ``SETTINGS``, ...) changed."""
+    CHANGES.append((key, aspect))
+    EPOCH[0] = next(_tickets)
+    if len(CHANGES) > MAX_CHANGES:
+        with _changes_lock:
+            dropped = len(CHANGES) // 2
+            del CHANGES[:dropped]
+            _changes_base[0] += dropped
+
+
+def position() -> int:
+    """Where the next change will be logged (a key reads ``changes_since`` it later)."""
+    with _changes_lock:
+        return _changes_base[0] + len(CHANGES)
+
+
+def changes_since(start: int) -> Tuple[int, Optional[Set[Change]]]:
+    """The changes logged from ``start`` on, and where the next will be; None when some were dropped
+    (everything must be read again)."""
+    with _changes_lock:
+        base = _changes_base[0]
+        recent = CHANGES[start - base:] if start >= base else None
+        end = base + len(CHANGES)
+    return end, None if recent is None else set(recent)
+
+
+def _bumping(original: Callable[..., Any], aspect: Hashable = ALL, key: Optional[int] = None) -> Callable[..., Any]:
+    """``original``, then a bump (after: a guard reading in between sees the change) of ``aspect`` of
+    its first argument (``self``) when that is watched; with ``key``, of that key whatever the arguments."""
     if getattr(original, "_graphrt_bumps", False):
         return original
 
@@ -81,11 +161,41 @@ def _bumping(original: Callable[..., Any], of_self: bool = True) -> Callable[...
         try:
             return original(*args, **kwargs)
         finally:
-            if (not of_self or id(args[0]) in WATCHED) and not _compiling():
-                EPOCH[0] += 1
+            changed = key if key is not None else id(args[0])
+            if (key is not None or changed in WATCHED) and not _compiling():
+                bump(changed, aspect)
 
     call._graphrt_bumps = True  # type: ignore[attr-defined]
     return call
+
+
+def _removing(original: Callable[..., None]) -> Callable[..., None]:
+    """``RemovableHandle.remove``, then a bump of the hook dicts it removed from (a module's or the global ones)."""
+    if getattr(original, "_graphrt_bumps", False):
+        return original
+
+    @functools.wraps(original)
+    def remove(handle: RemovableHandle) -> None:
+        dicts = [handle.hooks_dict_ref(), *(ref() for ref in getattr(handle, "extra_dict_ref", ()))]
+        try:
+            original(handle)
+        finally:
+            if not _compiling():
+                for hooks in dicts:
+                    if hooks is not None:
+                        bump(id(hooks), HOOKS)
+
+    remove._graphrt_bumps = True  # type: ignore[attr-defined]
+    return remove
+
+
+def _assigned(obj: Any, name: str) -> None:
+    """An attribute of ``obj`` was assigned or deleted: a bump when some key reads it."""
+    key = id(obj)
+    if key in WATCHED and not _compiling():
+        names = WATCHED_NAMES.get(key)
+        if names is None or name in names:
+            bump(key, name)
 
 
 def _object_setattr(self: Any, name: str, value: Any) -> None:
@@ -112,8 +222,7 @@ def _journaled_setattr(original: Callable[..., None]) -> Callable[..., None]:
         if journal is not None:
             journal.note(self, name)
         original(self, name, value)
-        if id(self) in WATCHED and not _compiling():
-            EPOCH[0] += 1
+        _assigned(self, name)
 
     __setattr__._graphrt_bumps = True  # type: ignore[attr-defined]
     __setattr__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -131,8 +240,7 @@ def _journaled_delattr(original: Callable[..., None]) -> Callable[..., None]:
         if journal is not None:
             journal.note(self, name)
         original(self, name)
-        if id(self) in WATCHED and not _compiling():
-            EPOCH[0] += 1
+        _assigned(self, name)
 
     __delattr__._graphrt_bumps = True  # type: ignore[attr-defined]
     __delattr__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -144,8 +252,8 @@ def install() -> None:
     if _installed:
         return
     module = torch.nn.Module
-    for name in MODULE_METHODS:
-        setattr(module, name, _bumping(getattr(module, name)))
+    for name, aspect in MODULE_METHODS.items():
+        setattr(module, name, _bumping(getattr(module, name), aspect))
     module.__setattr__ = _journaled_setattr(module.__setattr__)  # type: ignore[method-assign]
     module.__delattr__ = _journaled_delattr(module.__delattr__)  # type: ignore[method-assign]
     for container in CONTAINERS:
@@ -154,16 +262,15 @@ def install() -> None:
                 setattr(container, name, _bumping(vars(container)[name]))
     hooks = torch.nn.modules.module
     for name in GLOBAL_HOOK_FUNCTIONS:
-        setattr(hooks, name, _bumping(getattr(hooks, name), of_self=False))
-    RemovableHandle.remove = _bumping(RemovableHandle.remove, of_self=False)  # type: ignore[method-assign]
+        setattr(hooks, name, _bumping(getattr(hooks, name), HOOKS, GLOBAL_HOOKS))
+    RemovableHandle.remove = _removing(RemovableHandle.remove)  # type: ignore[method-assign]
     for name in SETTING_FUNCTIONS:
-        setattr(torch, name, _bumping(getattr(torch, name), of_self=False))
+        setattr(torch, name, _bumping(getattr(torch, name), ALL, SETTINGS))
     matmul = type(torch.backends.cuda.matmul)  # torch.backends.cuda.matmul.allow_tf32 = ...
-    matmul.__setattr__ = _bumping(matmul.__setattr__, of_self=False)  # type: ignore[method-assign]
+    matmul.__setattr__ = _bumping(matmul.__setattr__, ALL, SETTINGS)  # type: ignore[method-assign]
 
-    def registered(module: torch.nn.Module, *_: Any) -> None:  # register_parameter/buffer/module write the tables
-        if id(module) in WATCHED and not _compiling():
-            EPOCH[0] += 1
+    def registered(module: torch.nn.Module, name: str, *_: Any) -> None:  # register_parameter/buffer/module
+        _assigned(module, name)
 
     _installed.extend([hooks.register_module_parameter_registration_hook(registered),
                        hooks.register_module_buffer_registration_hook(registered),

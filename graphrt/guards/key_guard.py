@@ -5,10 +5,11 @@ wrapped object. Checked on every call that would replay the key, in this order:
 
 1. the global state (``StateWatch.token``): autocast (one C call while it is off);
 2. the state epoch (graphrt.guards.epoch): one integer compare while no API able to change the
-   step's Python state ran since the last call; when it moved, the key reads again the state of
-   the modules it ran (``training`` flags, Python attributes, submodules, hooks, parameters and
-   their dtypes, devices and memory), of the objects it read, and the links it reached its tensors
-   and modules through (graphrt.guards.python_state, graphrt.guards.bindings);
+   step's Python state ran since the last call; when it moved, the key reads again what the changes
+   since name, of the state of the modules it ran (``training`` flags, Python attributes,
+   submodules, hooks, parameters and their dtypes, devices and memory), of the objects it read, and
+   of the links it reached its tensors and modules through (graphrt.guards.python_state,
+   graphrt.guards.bindings): one attribute assigned costs one attribute's re-read, whatever the depth;
 3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
    step's own code reads, the lists and dicts it reached tensors or modules through;
 4. aliasing, only for a step that writes memory: no staged argument shares memory with another
@@ -30,7 +31,7 @@ import torch
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.bindings import Bindings, find_bindings
-from graphrt.guards.epoch import EPOCH, watch_class
+from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
 from graphrt.guards.live_checks import Same, global_checks
 from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
@@ -99,6 +100,7 @@ class KeyGuard:
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
     epoch: int  # the state epoch the Python state was last seen unchanged at
+    position: int  # where the changes after that begin (graphrt.guards.epoch.changes_since)
 
     def __post_init__(self) -> None:
         self._holds = tuple(check.check() for check in self.live)  # bound once: one call per check per call
@@ -114,7 +116,7 @@ class KeyGuard:
         share memory with is what the bindings reach and what the step wrote: memory still held,
         unlike the temporaries of the capture, whose addresses come back."""
         observation = observation if observation is not None else Observation()
-        seen_epoch = EPOCH[0]  # before anything is read: a change from now on is seen
+        seen_epoch, seen_position = EPOCH[0], position()  # before anything is read: a change from now on is seen
         objects, entry = list(spec.objects), spec.roots()[len(spec.objects):]
         modules = observation.modules
         values = _values_read(spec.fn, observation)
@@ -135,7 +137,7 @@ class KeyGuard:
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
         return cls(spec.watch, spec.watch.token(), bindings, python, live, state_memory,
-                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch)
+                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position)
 
     def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
         """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
@@ -161,13 +163,15 @@ class KeyGuard:
         return None
 
     def state_failure(self) -> Optional[GuardFailure]:
-        """The Python state and bindings read again (after the epoch moved): what differs from
-        capture, else None (and the epoch is remembered: nothing is read again until it moves)."""
+        """The Python state and bindings read again (after the epoch moved), as far as the changes
+        since they were last seen the same name: what differs from capture, else None (and the
+        epoch is remembered: nothing is read again until it moves)."""
         now = EPOCH[0]
-        change = self.bindings.rebound() or self.python.change()
+        end, changes = changes_since(self.position)
+        change = self.bindings.rebound(changes) or self.python.change(changes)
         if change is not None:
             return GuardFailure(*change)
-        self.epoch = now
+        self.epoch, self.position = now, end
         return None
 
     def holds_now(self) -> bool:

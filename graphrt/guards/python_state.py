@@ -7,17 +7,19 @@ code could branch on or compute with (``m.scale = 4.0``, PEFT's active adapter),
 and buffers and the memory, dtype and device they had (``model.double()`` moves them; a replay
 reads the old memory). ``PythonState`` keeps all of that for the modules that ran (and the plain
 attributes of the objects the step reads: an engine, an object argument) and says what differs,
-in words; it is read again only after the state epoch moved (graphrt.guards.epoch).
+in words; it is read again only after the state epoch moved (graphrt.guards.epoch), and then only
+what the changes since name: one attribute of one module, its hooks, its ``training`` flag, or the
+whole of the one module an API changed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
-from graphrt.guards.epoch import watch
+from graphrt.guards.epoch import GLOBAL_HOOKS, HOOKS, SETTINGS, TRAINING, Change as Changed, watch
 from graphrt.layout.tensor_tree import is_plain_constant
 
 # A module's own bookkeeping (its tables and hook dicts), compared through ``module_state``'s
@@ -29,6 +31,9 @@ MAX_PLAIN_ITEMS = 64  # a longer container is compared by identity
 _REF = object()  # tags an object compared by identity in a frozen value
 _mod = torch.nn.modules.module
 Change = Tuple[str, str]  # (reason, what changed in words)
+GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                     "_global_forward_hooks_always_called")
+_TABLES = ("_parameters", "_buffers", "_modules")
 
 
 def frozen(value: Any, keep: List[Any], depth: int = 0) -> Hashable:
@@ -82,22 +87,80 @@ def module_state(module: torch.nn.Module, keep: List[Any]) -> Tuple[Any, ...]:
     tensors += tuple((name, _tensor_state(value, keep)) for name, value in attributes.items()
                      if isinstance(value, torch.Tensor))
     children = tuple((name, frozen(child, keep)) for name, child in module._modules.items())
-    hooks = tuple(frozen(tuple(attributes[name].items()), keep) for name in HOOK_DICTS if name in attributes)
     keep.append(type(module))
-    return type(module), module.training, plain, tensors, children, hooks
+    return type(module), module.training, plain, tensors, children, _module_hooks(module, keep)
+
+
+def _module_hooks(module: torch.nn.Module, keep: List[Any]) -> Tuple[Any, ...]:
+    attributes = vars(module)
+    return tuple(frozen(tuple(attributes[name].items()), keep) for name in HOOK_DICTS if name in attributes)
+
+
+def _module_entry(module: torch.nn.Module, name: str, keep: List[Any]) -> Hashable:
+    """What ``module`` holds at attribute ``name``, frozen as ``module_state`` freezes it: ``(part, value)``."""
+    for part, table in ((3, module._parameters), (3, module._buffers), (4, module._modules)):
+        if name in table:
+            value = table[name]
+            return part, _tensor_state(value, keep) if part == 3 else frozen(value, keep)
+    value = vars(module).get(name, _REF)
+    if value is _REF:
+        return None
+    return (3, _tensor_state(value, keep)) if isinstance(value, torch.Tensor) else (2, frozen(value, keep))
 
 
 def global_hooks(keep: List[Any]) -> Tuple[Any, ...]:
     """The forward hooks and pre-hooks registered for every module (``register_module_forward_hook``)."""
-    return tuple(frozen(tuple(getattr(_mod, name).items()), keep) for name in (
-        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
-        "_global_forward_hooks_always_called"))
+    return tuple(frozen(tuple(getattr(_mod, name).items()), keep) for name in GLOBAL_HOOK_DICTS)
 
 
 def object_state(obj: Any, keep: List[Any]) -> Tuple[Any, ...]:
     """``(class, attributes)`` of a plain object the step reads (an engine, an object argument)."""
     keep.append(type(obj))
     return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items())
+
+
+class _Module:
+    """One module's state at capture, and whether an aspect of it (an attribute's name, its hooks, its
+    ``training`` flag) still reads the same: the re-read after a bump that names it."""
+
+    __slots__ = ("module", "captured", "entries")
+
+    def __init__(self, module: torch.nn.Module, keep: List[Any]) -> None:
+        self.module = module
+        self.captured = module_state(module, keep)
+        _, _, plain, tensors, children, _ = self.captured
+        self.entries = {**{name: (2, value) for name, value in plain}, **{name: (3, value) for name, value in tensors},
+                        **{name: (4, value) for name, value in children}}
+
+    def same(self, aspect: Any, keep: List[Any]) -> bool:
+        module = self.module
+        if aspect == TRAINING:
+            return module.training == self.captured[1]
+        if aspect == HOOKS or aspect in HOOK_DICTS:
+            return _module_hooks(module, keep) == self.captured[5]
+        if not isinstance(aspect, str) or aspect.startswith("__") or aspect in _TABLES:  # ALL, __class__, __dict__
+            return module_state(module, keep) == self.captured
+        if aspect in MODULE_INTERNALS:  # a table of torch's own the state does not compare
+            return True
+        return _module_entry(module, aspect, keep) == self.entries.get(aspect)
+
+
+class _Object:
+    """One plain object's state at capture (``object_state``), re-read by attribute name after a bump."""
+
+    __slots__ = ("name", "obj", "captured", "entries")
+
+    def __init__(self, name: str, obj: Any, keep: List[Any]) -> None:
+        self.name, self.obj = name, obj
+        self.captured = object_state(obj, keep)
+        self.entries = dict(self.captured[1])
+
+    def same(self, aspect: Any, keep: List[Any]) -> bool:
+        if not isinstance(aspect, str) or aspect.startswith("__"):
+            return object_state(self.obj, keep) == self.captured
+        value = vars(self.obj).get(aspect, _REF)
+        return (value is _REF and aspect not in self.entries) or (
+            value is not _REF and frozen(value, keep) == self.entries.get(aspect, _REF))
 
 
 def torch_settings() -> Tuple[Tuple[str, Any], ...]:
@@ -113,41 +176,69 @@ def torch_settings() -> Tuple[Tuple[str, Any], ...]:
 
 class PythonState:
     """The frozen state of the modules a step ran and of the plain objects it read, checked again
-    with ``change()`` (only after the state epoch moved: it costs a pass over every module)."""
+    with ``change()`` after the state epoch moved: all of it, or only what the changes since name."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], objects: Sequence[Tuple[str, Any]],
                  named: Sequence[Tuple[str, Any]]) -> None:
         for watched in (*modules, *(obj for _, obj in objects)):
             watch(watched)
         self._keep: List[Any] = []
-        self.modules = [(module, module_state(module, self._keep)) for module in modules]
-        self.objects = [(name, obj, object_state(obj, self._keep)) for name, obj in objects]
+        self.modules = [_Module(module, self._keep) for module in modules]
+        self.objects = [_Object(name, obj, self._keep) for name, obj in objects]
         self.global_hooks = global_hooks(self._keep)
         self.settings = torch_settings()
         self._named = named  # (name, object) roots, to name a module in words
+        # id of what a bump names -> what to read again, and the aspect when the id is a module's hook dict
+        self._by_id: Dict[int, Tuple[Any, Optional[str]]] = {id(state.obj): (state, None) for state in self.objects}
+        for state in self.modules:
+            self._by_id[id(state.module)] = (state, None)
+            attributes = vars(state.module)
+            self._by_id.update((id(attributes[name]), (state, HOOKS)) for name in HOOK_DICTS if name in attributes)
+        self._global_hook_ids = {GLOBAL_HOOKS, *(id(getattr(_mod, name)) for name in GLOBAL_HOOK_DICTS)}
 
-    def change(self) -> Optional[Change]:
-        """``(reason, words)`` for the first difference from capture, else None."""
-        for (name, was), (_, now) in zip(self.settings, torch_settings()):
-            if now != was:
-                return "python_state", f"torch's {name} is {now} (it was {was} at capture)"
+    def change(self, changes: Optional[Iterable[Changed]] = None) -> Optional[Change]:
+        """``(reason, words)`` for the first difference from capture, else None: of everything, or,
+        given ``changes`` (``(id, aspect)`` since the state was last seen the same), of what they name."""
+        if changes is None:
+            return self._change(True, True, self.modules, self.objects)
         scratch: List[Any] = []
-        if global_hooks(scratch) != self.global_hooks:
+        settings = hooks = False
+        modules: List[_Module] = []
+        objects: List[_Object] = []
+        for key, aspect in changes:
+            if key == SETTINGS:
+                settings = True
+            elif key in self._global_hook_ids:
+                hooks = True
+            elif key in self._by_id:
+                state, hook_dict = self._by_id[key]
+                if not state.same(hook_dict or aspect, scratch):
+                    (modules if isinstance(state, _Module) else objects).append(state)
+        return self._change(settings, hooks, modules, objects)
+
+    def _change(self, settings: bool, hooks: bool, modules: Sequence["_Module"],
+                objects: Sequence["_Object"]) -> Optional[Change]:
+        if settings:
+            for (name, was), (_, now) in zip(self.settings, torch_settings()):
+                if now != was:
+                    return "python_state", f"torch's {name} is {now} (it was {was} at capture)"
+        scratch: List[Any] = []
+        if hooks and global_hooks(scratch) != self.global_hooks:
             return "hooks", "a global forward hook (torch.nn.modules.module.register_module_forward_*) was added " \
                             "or removed since capture"
-        for module, captured in self.modules:
-            now = module_state(module, scratch)
-            if now != captured:
-                return self._describe(module, captured, now)
-        for name, obj, captured in self.objects:
-            now = object_state(obj, scratch)
-            if now != captured:
-                return _attributes_change(name, captured[1], now[1])
+        for state in modules:
+            now = module_state(state.module, scratch)
+            if now != state.captured:
+                return self._describe(state.module, state.captured, now)
+        for state in objects:
+            now = object_state(state.obj, scratch)
+            if now != state.captured:
+                return _attributes_change(state.name, state.captured[1], now[1])
         return None
 
     def training(self) -> bool:
         """The ``training`` flag of the first module the step ran (True without modules)."""
-        return self.modules[0][0].training if self.modules else True
+        return self.modules[0].module.training if self.modules else True
 
     def _describe(self, module: torch.nn.Module, captured: Tuple[Any, ...], now: Tuple[Any, ...]) -> Change:
         path = self.path_of(module)
@@ -161,7 +252,8 @@ class PythonState:
         if hooks != captured[5]:
             return "hooks", f"forward hooks on {path} were added or removed since capture"
         if training != captured[1]:
-            changed = [self.path_of(other) for other, state in self.modules if other.training != state[1]]
+            changed = [self.path_of(state.module) for state in self.modules
+                       if state.module.training != state.captured[1]]
             where = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
             return "training", f"{'train' if training else 'eval'} mode ({where}; captured in the other mode)"
         return _attributes_change(path, captured[2], plain)

@@ -15,7 +15,8 @@ the decode runners of every width, widest first), so no capture (and its collect
 cache emptying) lands between the steps of a request when it crosses a width. The graph runners share
 one graph memory pool (``RunnerConfig.share_graphs_with``: the first graph runner's; on CUDA one capture
 stream, so one cuBLAS workspace): the engine holds about one largest key's memory, not a pool per
-runner; each step's logits are read before the next step replays. A key that a replay fault disabled
+runner; each step's logits are used (its tokens chosen on the device, in stream order) before the
+next step replays. A key that a replay fault disabled
 (the replay raised, the same step ran eagerly) is captured again once before the next step; a second
 fault keeps it disabled.
 """
@@ -76,7 +77,8 @@ class RunnerKey:
 
 
 class EngineRunners:
-    """The engine's runners by ``RunnerKey``, built on first use; the call statistics of those a call used."""
+    """The engine's runners by ``RunnerKey``, built before a call's first step (``prepare``); the call
+    statistics of those a call used."""
 
     def __init__(self, model: Callable[..., Any], pools: CachePools, layout: KVLayout, graph_backend: str,
                  device: Any, max_requests: int, max_step_tokens: int, options: Dict[str, Any],
@@ -99,12 +101,14 @@ class EngineRunners:
         self._faulted: Optional[Tuple[RunnerKey, GraphRunner]] = None
 
     def for_batch(self, graphs: bool, batch: ForwardBatch, steps_per_launch: int = 1,
-                  steps: int = 1) -> Tuple[RunnerKey, GraphRunner]:
-        """The runner that serves ``batch`` (``steps`` decode steps of it, on the runner of ``steps_per_launch``)."""
+                  steps: int = 1, longest: Optional[int] = None) -> Tuple[RunnerKey, GraphRunner]:
+        """The runner that serves ``batch`` (``steps`` decode steps of it, on the runner of ``steps_per_launch``;
+        ``longest``: its longest request, when the caller knows it on the host)."""
         if not graphs:
             key = RunnerKey()
         elif batch.forward_mode.is_decode_or_idle():
-            longest = int(batch.seq_lens_cpu.max()) if batch.batch_size else 1
+            if longest is None:
+                longest = int(batch.seq_lens_cpu.max()) if batch.batch_size else 1
             width = self.width_for(longest + steps - 1)
             key = RunnerKey(steps_per_launch, width, steps_per_launch == 1 and width == self.widths[0])
             self.widths_used.add(width)
