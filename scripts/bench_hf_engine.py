@@ -17,11 +17,13 @@ CUDA-graph speedup, and its numbers say nothing about a GPU. ``--threads`` (defa
 CPU threads: on a shared machine more threads than free cores make every op spin-wait.
 
 Then: the bytes a cached token takes per layer in the engine's KV pools against the model's minimum
-(multi-head latent attention's latent; see graphrt.hf.kv_layout), and the time of one graphed decode
-step of ``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each
-``max_context`` of ``--contexts``: the time in the runner per decode step of a call generating 1 +
-``DECODE_STEPS`` tokens (``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS``
-calls after one that captures, on one engine per context.
+(multi-head latent attention's latent; see graphrt.hf.kv_layout); what capturing the engine took (its
+runners, graphs, seconds and graph-pool growth, ``stats()["capture"]``: every runner a call may use is
+captured before its first step, into one pool); and the time of one graphed decode step of
+``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each ``max_context`` of
+``--contexts``: the time in the runner per decode step of a call generating 1 + ``DECODE_STEPS`` tokens
+(``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS`` calls after one that captures,
+on one engine per context, beside that engine's capture (a decode runner per width bucket).
 
 ``--step-events`` measures only this instead (issue 47): ``--max-requests`` prompts of 4 tokens decoding
 ``--new-tokens`` tokens each on the 4-layer model, with graphs and eagerly, host ms per decode step (the
@@ -90,8 +92,10 @@ def generate_batch_run(model: torch.nn.Module, prompts: List[List[int]], new_tok
     return run
 
 
-def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, max_requests: int) -> float:
-    """One graphed decode step of ``max_requests`` requests near ``real_tokens`` tokens, in ms (see the docstring)."""
+def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int,
+                   max_requests: int) -> Tuple[float, Dict[str, float]]:
+    """One graphed decode step of ``max_requests`` requests near ``real_tokens`` tokens, in ms (see the
+    docstring), and what capturing that engine took (``stats()["capture"]``)."""
     prompts = ragged_prompts([real_tokens - DECODE_STEPS] * max_requests, seed=5)
     engine = graphrt.hf.engine_model(model, max_requests=max_requests, max_context=max_context, max_step_tokens=64,
                                      kv_slots=max_requests * real_tokens + 1)
@@ -100,7 +104,13 @@ def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, m
         engine.generate(prompts, max_new_tokens=1 + DECODE_STEPS, eos_token_id=None)
         serve = engine.stats()["serve"]
         times.append(serve["decode_runner_seconds"] / serve["decode_steps"])
-    return 1e3 * min(times[1:])
+    return 1e3 * min(times[1:]), engine.stats()["capture"]
+
+
+def capture_cells(capture: Dict[str, float]) -> str:
+    """An engine's capture as Markdown cells: runners, graphs, seconds, graph pools, pool MiB."""
+    return (f"{capture['runners']} | {capture['graphs']} | {capture['seconds']:.2f} | {capture['graph_pools']} | "
+            f"{capture['pool_bytes'] / 2**20:.1f}")
 
 
 def kv_line(engine: graphrt.hf.HFEngine) -> str:
@@ -198,13 +208,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     print()
     print(kv_line(engine))
     print()
+    print("Capture per engine (| runners | graphs | seconds | graph pools | pool MiB |): "
+          f"| {capture_cells(engine.stats()['capture'])} |")
+    print()
     print(f"Decode step against max_context ({args.max_requests} requests of about {args.real_tokens} tokens, graphs):")
-    print("| max_context | ms per decode step | against the smallest |")
-    print("| --- | --- | --- |")
-    times = [(int(context), decode_step_ms(model, int(context), args.real_tokens, args.max_requests))
+    print("| max_context | ms per decode step | against the smallest | runners | graphs | capture s | graph pools "
+          "| pool MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    times = [(int(context), *decode_step_ms(model, int(context), args.real_tokens, args.max_requests))
              for context in args.contexts.split(",")]
-    for context, ms in times:
-        print(f"| {context} | {ms:.2f} | {ms / times[0][1]:.2f}x |")
+    for context, ms, capture in times:
+        print(f"| {context} | {ms:.2f} | {ms / times[0][1]:.2f}x | {capture_cells(capture)} |")
 
 
 if __name__ == "__main__":

@@ -182,5 +182,5 @@ class CudaPool:
             pool.anchor.reset()
         try:
             torch.cuda.empty_cache()
-        except RuntimeError as error:  # another process-wide capture cannot be under way (CAPTURE_LOCK)
+        except RuntimeError as error:  # no other recording can be under way (RECORDING_LOCK)
             logger.debug("empty_cache after releasing retired graph pools raised: %s", error)

@@ -107,7 +107,8 @@ class HFEngine:
 
     def _serve_probed(self, probed: ProbedModel) -> None:
         """Make what serving takes from ``probed``: KV pools of its layout (a previous build's dropped first),
-        its rotary embeddings attached to them, runners (their keys captured on first use)."""
+        its rotary embeddings attached to them, runners (captured by a call's ``prepare``, before its first
+        step)."""
         self.runners = self.pools = self.slots = self._arena = None  # type: ignore[assignment]  # old buffers go first
         self.probed, self.layout, self.device, self.vocab_size = probed, probed.layout, probed.device, probed.vocab_size
         self.logits_width = getattr(self.model.config.get_text_config(), "vocab_size", None) or self.vocab_size
@@ -206,6 +207,7 @@ class HFEngine:
             counts = ServeCounts()
             with self._call(counts), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                self.runners.prepare(graphs, steps_per_launch)  # every runner captured before the first step
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
                 share = None if self.ranks is None else self.ranks.share_tokens
                 return serve(self.slots, executor, requests, config, counts, share,
@@ -229,6 +231,7 @@ class HFEngine:
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
             with self._call(ServeCounts()), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                self.runners.prepare(graphs, 1)
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, 1, None)
                 try:
                     for request in requests:
