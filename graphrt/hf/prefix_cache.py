@@ -44,13 +44,14 @@ class PrefixNode:
 
 class PrefixCache:
     """The radix tree and its sizes in tokens: ``cached_tokens`` (every slot it holds), ``evictable_tokens``
-    (held by nodes no running request reads)."""
+    (held by nodes no running request reads), ``evicted_tokens`` (freed by ``evict`` so far)."""
 
     def __init__(self) -> None:
         self.root = PrefixNode([], [], None, locks=1)  # never evicted, never counted
         self._ticks = itertools.count(1)
         self.cached_tokens = 0
         self.evictable_tokens = 0
+        self.evicted_tokens = 0  # over the cache's life
 
     def match(self, tokens: Sequence[int]) -> Tuple[List[int], PrefixNode]:
         """The slots of the longest cached prefix of ``tokens`` and the node it ends at (an edge the match
@@ -113,6 +114,7 @@ class PrefixCache:
             del parent.children[node.tokens[0]]
             self.cached_tokens -= len(node.tokens)
             self.evictable_tokens -= len(node.tokens)
+            self.evicted_tokens += len(node.tokens)
             if parent is not self.root and not parent.children and parent.locks == 0:
                 heapq.heappush(leaves, parent)
         return freed

@@ -97,6 +97,8 @@ class ServeCounts:
     prefill_steps: int = 0  # EXTEND or MIXED
     prefill_tokens: int = 0  # prompt tokens run in EXTEND/MIXED steps
     prefill_tokens_graphed: int = 0  # of those, in steps that replayed (piecewise graphs)
+    prefix_tokens_reused: int = 0  # prompt tokens not computed: their keys and values were a cached prefix's
+    prefix_requests: int = 0  # requests that started on a cached prefix
     max_running: int = 0
 
 
@@ -130,13 +132,31 @@ class StepExecutor(Protocol):
         """The tokens a launched step chose, one per sampled row (a launch: step-major, every row)."""
 
 
+class PrefixHooks(Protocol):
+    """Prefix sharing's side of the scheduler (graphrt.hf.prefix_sharing.PrefixSharing)."""
+
+    def ready(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether ``request`` runs a prefill chunk in this step (its first may start on a cached prefix)."""
+
+    def refresh(self, running: Sequence[Request]) -> None:
+        """Cache what the steps launched so far computed."""
+
+    def finish(self, request: Request) -> None:
+        """Cache a finished request's tokens."""
+
+    def drop(self, request: Request) -> None:
+        """``request`` releases its row."""
+
+
 class ServeLoop:
     """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet) and
     ``step()``; ``done`` holds each finished request's tokens by index."""
 
     def __init__(self, slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> None:
+                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+                 prefixes: Optional[PrefixHooks] = None) -> None:
         self.slots = slots
+        self.prefixes = prefixes
         self.executor = executor
         self.config = config
         self.counts = counts
@@ -209,6 +229,8 @@ class ServeLoop:
         limit = self.config.max_new_tokens
         decodes: List[Request] = []
         prefills: List[Request] = []
+        if self.prefixes is not None:
+            self.prefixes.refresh(self.running)
         for request in self.running:
             if request.cached < len(request.prompt):
                 prefills.append(request)
@@ -234,6 +256,8 @@ class ServeLoop:
         for request in prefills:
             if room <= 0:
                 break
+            if self.prefixes is not None and not self.prefixes.ready(request, self.running):
+                continue
             chunk = request.prompt[request.cached: request.cached + room]
             requests.append(request)
             counts.append(len(chunk))
@@ -307,6 +331,8 @@ class ServeLoop:
                     if request.stopped or (len(request.output) >= limit and not request.in_flight)]
         for request in finished:
             self.running.remove(request)
+            if self.prefixes is not None:
+                self.prefixes.finish(request)
             self._release(request)
             self.done[request.index] = request.output
         return finished
@@ -318,6 +344,8 @@ class ServeLoop:
             request.stopped = True
 
     def _release(self, request: Request) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(request)
         release(self.slots, request)
 
 
@@ -341,11 +369,12 @@ def release(slots: SlotTable, request: Request) -> None:
 
 
 def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> List[List[int]]:
+          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+          prefixes: Optional[PrefixHooks] = None) -> List[List[int]]:
     """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
     counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did). Every
     request row and KV slot taken is released on return, an exception or interrupt included."""
-    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap)
+    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap, prefixes)
     try:
         while loop.busy:
             loop.step()
@@ -354,5 +383,5 @@ def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request],
     return loop.done
 
 
-__all__ = ["Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
+__all__ = ["PrefixHooks", "Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
            "serve"]
