@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 best[name] = seconds
                 serve[name] = engines[sharing].stats()["serve"]
     expected = tokens["sharing off"]
-    alone = generate_alone(model, prompts, args.new_tokens) if args.device == "cpu" else None
+    alone = generate_alone(model, prompts, args.new_tokens)
 
     print(f"prefix sharing: {args.family}, hidden {args.hidden}, 4 layers, {args.requests} requests of a "
           f"{args.system}-token system prompt + {args.own} own tokens, {args.new_tokens} new tokens each, "
@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in paths:
         generated = sum(len(row) for row in tokens[name])
-        equal = tokens[name] == expected and (alone is None or tokens[name] == alone)
+        equal = tokens[name] == expected == alone
         print(f"| {name} | {serve[name]['prefill_tokens']} | {serve[name]['prefix_tokens_reused']} | "
               f"{generated / best[name]:.0f} | {best[name]:.3f} | {best['sharing off'] / best[name]:.2f}x | "
               f"{'yes' if equal else '**no**'} |")
