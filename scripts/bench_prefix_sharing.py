@@ -54,9 +54,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model, _ = workload(args.family, args.hidden, 1, args.device)
-    prompts = shared_prompts(args.requests, args.system, args.own)
     context = args.system + args.own + args.new_tokens + 1
+    model, _ = workload(args.family, args.hidden, 1, args.device)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, context)  # generate() warns past it
+    prompts = shared_prompts(args.requests, args.system, args.own)
     options = dict(max_requests=args.max_requests, max_context=context, max_step_tokens=args.step_tokens)
     engines = {sharing: graphrt.hf.engine_model(model, prefix_sharing=sharing, **options) for sharing in (False, True)}
     graphs = not args.eager

@@ -205,3 +205,48 @@ def test_sharing_refusals_and_the_engine_option():
     assert sharing_refusal(KVLayout([full, ring], 4, 64), False).startswith("layer 1 keeps its sliding window")
     with pytest.raises(TypeError, match="prefix_sharing: expected a bool"):
         graphrt.hf.engine_model(tiny_model("llama"), prefix_sharing="yes")
+
+
+class FixedTokens:
+    """A model-free executor: every chosen row's token is 5; ``seen()`` is called at each launch."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def launch(self, work):
+        self.seen()
+        return len(work.sampled) * (work.steps if work.steps > 1 else 1), 0
+
+    def read(self, handle):
+        return [5] * handle
+
+
+def test_a_finished_request_unlocks_at_once_and_a_closed_loop_unlocks_everything():
+    """The scheduler alone: two requests on one system prompt; the one that stops first gives its lock back
+    while the other still runs (the prefix stays locked by it alone); closing the loop mid-request (an
+    abort, an interrupt) gives back every lock and slot."""
+    from graphrt.hf.engine_slots import SlotTable
+    from graphrt.hf.prefix_cache import PrefixCache
+    from graphrt.hf.prefix_sharing import PrefixSharing
+    from graphrt.hf.request_sampling import RequestTokens
+    from graphrt.hf.serve import Request, ServeConfig, ServeCounts, ServeLoop
+    from graphrt.reference import ReqToTokenPool
+
+    cache, counts = PrefixCache(), ServeCounts()
+    slots = SlotTable(ReqToTokenPool(4, 32, "cpu"), 64, cache)
+    system = list(range(10, 22))
+    requests = [Request(0, 0, RequestTokens(system + [40, 41])), Request(1, 0, RequestTokens(system + [50]), {5})]
+    config = ServeConfig(max_running=3, max_step_tokens=8, max_new_tokens=6, max_context=32)
+    locks = []
+    executor = FixedTokens(lambda: locks.append(cache.match(system)[1].locks))
+    loop = ServeLoop(slots, executor, requests, config, counts, prefixes=PrefixSharing(slots, cache, counts))
+    while loop.done[1] is None:
+        loop.step()
+    assert locks[-1] == 2  # both read the system prompt in the step that finished one
+    assert cache.match(system)[1].locks == 1 and loop.running == [requests[0]]  # its lock given back at once
+    assert counts.prefix_tokens_reused == 12 and counts.prefix_requests == 1
+    assert requests[1].output == [5]
+    assert cache.match(system + [50, 5])[0][-1] != 0  # its prompt and its output's computed tokens are cached
+    assert slots.available < 63  # the running request holds its own slots
+    loop.close()
+    assert cache.evictable_tokens == cache.cached_tokens and slots.available == 63

@@ -12,7 +12,8 @@ call first checks whether what the probe read changed since (the config's values
 device: ``graphrt.hf.model_state``): then the model is probed again and, when the probe reads otherwise,
 the KV pools and runners are made anew (their keys captured again). ``generate`` serves
 prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
-(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
+(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys; prompt
+prefixes computed once, ``graphrt.hf.prefix_sharing``), one
 call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
 device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
 (``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
@@ -75,8 +76,6 @@ class HFEngine:
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
                  kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0,
                  prefix_sharing: bool = True) -> None:
-        if not isinstance(prefix_sharing, bool):
-            raise TypeError(f"prefix_sharing: expected a bool, got {prefix_sharing!r}")
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             if type(value) is not int or value < 1:

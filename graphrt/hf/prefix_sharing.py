@@ -66,6 +66,8 @@ class EnginePrefixes:
     """The engine's prefix cache (None when sharing is off or refused, with ``reason``) and its staleness."""
 
     def __init__(self, enabled: bool, layout: KVLayout, length_dependent_rope: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"prefix_sharing: expected a bool, got {enabled!r}")
         self.reason = "turned off (prefix_sharing=False)" if not enabled else sharing_refusal(
             layout, length_dependent_rope)
         self.cache: Optional[PrefixCache] = None if self.reason else PrefixCache()
@@ -117,8 +119,9 @@ class PrefixSharing:
         self.counts = counts
         self.write_ids = write_ids
         self._shared: Dict[int, _Shared] = {}  # by request row
+        self._filling: Dict[int, Request] = {}  # started requests whose prompt is not all cached, by row
 
-    def ready(self, request: Request, running: Sequence[Request]) -> bool:
+    def ready(self, request: Request) -> bool:
         """Whether ``request`` runs a prefill chunk in this step. Its first: it waits while a request that
         started before it computes more of its prompt than is cached; else it starts after the longest
         cached prefix of its prompt but the last token (its row points at it, locked while it runs)."""
@@ -127,9 +130,9 @@ class PrefixSharing:
         prompt = request.prompt
         limit = len(prompt) - 1
         slots, node = self.cache.match(prompt[:limit])
-        for other in running:
-            started = self._shared.get(other.row)
-            if started is not None and other is not request:
+        for other in self._filling.values():
+            started = self._shared[other.row]
+            if len(started.slots) < limit:
                 coming = min(common_length(other.prompt, prompt), limit)
                 if coming > len(slots) and len(started.slots) < coming:
                     return False
@@ -142,14 +145,18 @@ class PrefixSharing:
             if self.write_ids is not None:
                 self.write_ids(request.row, 0, prompt[:len(slots)])
         self._shared[request.row] = _Shared(node, slots)
+        self._filling[request.row] = request
         return True
 
-    def refresh(self, running: Sequence[Request]) -> None:
-        """Cache the prompt tokens every running request had computed in the steps launched so far."""
-        for request in running:
-            shared = self._shared.get(request.row)
-            if shared is not None and len(shared.slots) < min(request.cached, len(request.prompt)):
-                self._cache(request, shared, request.prompt, min(request.cached, len(request.prompt)))
+    def refresh(self) -> None:
+        """Cache the prompt tokens every started request had computed in the steps launched so far (a loop over
+        the requests still prefilling: none in a step of decodes only)."""
+        for row, request in list(self._filling.items()):
+            shared, computed = self._shared[row], min(request.cached, len(request.prompt))
+            if len(shared.slots) < computed:
+                self._cache(request, shared, request.prompt, computed)
+            if computed == len(request.prompt):
+                del self._filling[row]
 
     def finish(self, request: Request) -> None:
         """Cache a finished request's prompt and output, as far as their keys and values were computed."""
@@ -161,6 +168,7 @@ class PrefixSharing:
     def drop(self, request: Request) -> None:
         """``request`` releases its row: its cached prefix unlocked (evictable once no one else reads it)."""
         shared = self._shared.pop(request.row, None)
+        self._filling.pop(request.row, None)
         if shared is not None:
             self.cache.unlock(shared.node)
 

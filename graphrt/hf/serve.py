@@ -9,6 +9,8 @@ is DECODE, EXTEND or MIXED; when only decodes run and ``steps_per_launch`` > 1, 
 decode steps); assigns its KV slots (graphrt.hf.engine_slots: host bookkeeping, a request's slots its
 own the moment they are assigned, so a step that raises, or an interrupt, releases every slot and row);
 hands the work to the executor (graphrt.hf.engine_step), and takes the tokens of the step they are due.
+With ``prefixes`` (graphrt.hf.prefix_sharing) a request's first prefill chunk may start after a cached
+prompt prefix, or wait for an earlier request computing more of it.
 
 With ``overlap`` (the engine's default on CUDA; SGLang's overlap scheduler and vLLM's async scheduling
 do the same) step N+1 is launched before step N's tokens are read: a decode whose last token is still
@@ -135,10 +137,10 @@ class StepExecutor(Protocol):
 class PrefixHooks(Protocol):
     """Prefix sharing's side of the scheduler (graphrt.hf.prefix_sharing.PrefixSharing)."""
 
-    def ready(self, request: Request, running: Sequence[Request]) -> bool:
+    def ready(self, request: Request) -> bool:
         """Whether ``request`` runs a prefill chunk in this step (its first may start on a cached prefix)."""
 
-    def refresh(self, running: Sequence[Request]) -> None:
+    def refresh(self) -> None:
         """Cache what the steps launched so far computed."""
 
     def finish(self, request: Request) -> None:
@@ -230,7 +232,7 @@ class ServeLoop:
         decodes: List[Request] = []
         prefills: List[Request] = []
         if self.prefixes is not None:
-            self.prefixes.refresh(self.running)
+            self.prefixes.refresh()
         for request in self.running:
             if request.cached < len(request.prompt):
                 prefills.append(request)
@@ -256,7 +258,7 @@ class ServeLoop:
         for request in prefills:
             if room <= 0:
                 break
-            if self.prefixes is not None and not self.prefixes.ready(request, self.running):
+            if self.prefixes is not None and not self.prefixes.ready(request):
                 continue
             chunk = request.prompt[request.cached: request.cached + room]
             requests.append(request)
