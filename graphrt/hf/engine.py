@@ -268,7 +268,8 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
+        ``decode_runner_seconds`` (decode steps and launches), ``prefix_tokens_reused``; ``ranks``: the tensor-parallel
+        ranks (1 alone); ``prefix_cache``: whether prefixes are shared (or why not) and the cache's sizes."""
         with self._lock:
             if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
