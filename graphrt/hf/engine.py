@@ -12,7 +12,8 @@ call first checks whether what the probe read changed since (the config's values
 device: ``graphrt.hf.model_state``): then the model is probed again and, when the probe reads otherwise,
 the KV pools and runners are made anew (their keys captured again). ``generate`` serves
 prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
-(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
+(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys; prompt
+prefixes computed once, ``graphrt.hf.prefix_sharing``), one
 call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
 device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
 (``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
@@ -40,6 +41,7 @@ from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
 from graphrt.hf.logits_rules import GenerationRules
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
+from graphrt.hf.prefix_sharing import EnginePrefixes
 from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import RequestTokens, TokenChooser
 from graphrt.hf.serve import Request, ServeConfig, ServeCounts, assigned_work, release, serve
@@ -72,7 +74,8 @@ class HFEngine:
     ``engine_model``."""
 
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
-                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0) -> None:
+                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0,
+                 prefix_sharing: bool = True) -> None:
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             if type(value) is not int or value < 1:
@@ -94,6 +97,7 @@ class HFEngine:
         self._slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
         self._backend = backend
         self._runner_options = runner_options
+        self._prefix_sharing = prefix_sharing
         self._lock = threading.RLock()
         self._counters = EngineCounters()  # what changes per step: never an attribute of the engine (guards read it)
         self._serve_probed(self._probe())
@@ -114,7 +118,8 @@ class HFEngine:
         self.logits_width = getattr(self.model.config.get_text_config(), "vocab_size", None) or self.vocab_size
         self.pools = CachePools(ReqToTokenPool(self.max_requests + 1, self.max_context, self.device),
                                 LayeredKVPool(probed.layout, self.device))
-        self.slots = SlotTable(self.pools.req_to_token, self._slots)
+        self.prefixes = EnginePrefixes(self._prefix_sharing, probed.layout, bool(probed.ropes.ropes))
+        self.slots = SlotTable(self.pools.req_to_token, self._slots, self.prefixes.cache)
         # CUDA graphs: copies marked with events, and by default the next step launched before a step's tokens are read
         self.asynchronous = self.device.type == "cuda" or self._backend == "cuda"
         self._arena = StepArena(self.pools, self.device, self.max_requests, self.max_step_tokens, self.asynchronous)
@@ -125,9 +130,9 @@ class HFEngine:
                                         REQUEST_ROPE_OP]
         self.runners = EngineRunners(self, self.pools, probed.layout, self._backend, self.device, self.max_requests,
                                      self.max_step_tokens, options, self._lock)
-        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s",
-                    type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
-                    probed.layout.describe(), probed.ropes.describe())
+        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s; "
+                    "prefix sharing %s", type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
+                    probed.layout.describe(), probed.ropes.describe(), self.prefixes.describe())
 
     def _follow_model(self, changes: List[str]) -> None:
         """After ``changes`` (what differs from what the probe read, ``ModelState.changes``): the model probed
@@ -135,6 +140,7 @@ class HFEngine:
         changes when the changed model cannot be served."""
         if not changes:
             return
+        self.slots.clear_prefixes()  # computed by the model as it was
         try:
             probed = self._probe()
         except ValueError as error:
@@ -210,8 +216,9 @@ class HFEngine:
                 self.runners.prepare(graphs, steps_per_launch)  # every runner captured before the first step
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
                 share = None if self.ranks is None else self.ranks.share_tokens
+                prefixes = self.prefixes.for_call(self.model, self.slots, counts, executor.write_prompt_ids)
                 return serve(self.slots, executor, requests, config, counts, share,
-                             self.asynchronous if overlap is None else overlap)
+                             self.asynchronous if overlap is None else overlap, prefixes)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
         """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
@@ -264,7 +271,8 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
+        ``decode_runner_seconds`` (decode steps and launches), ``prefix_tokens_reused``; ``ranks``: the tensor-parallel
+        ranks (1 alone); ``prefix_cache``: whether prefixes are shared (or why not) and the cache's sizes."""
         with self._lock:
             if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -280,6 +288,13 @@ class HFEngine:
             self._agreed("recapture", lambda: (None, ()))
             if self.runners is runners:  # not made anew for a changed model
                 runners.recapture()
+                self.slots.clear_prefixes()  # rebound weights: the cached prefixes were computed with the old ones
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prompt prefix (after changing the model in a way its parameters' identity, memory
+        and version counters do not show: writes through ``.data``, switching a PEFT adapter)."""
+        with self._lock:
+            self.slots.clear_prefixes()
 
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
@@ -322,6 +337,7 @@ class HFEngine:
             seconds = time.perf_counter() - start
             counters.stats = {**self.runners.call_stats(before),
                               "ranks": 1 if self.ranks is None else self.ranks.world_size,
+                              "prefix_cache": self.prefixes.stats(),
                               "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": counters.runner_seconds,
                                         "decode_runner_seconds": counters.decode_seconds}}
 
@@ -414,12 +430,14 @@ def _refuse_training(model: Any) -> None:
 
 def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_step_tokens: int = 64,
                  kv_slots: Optional[int] = None, backend: str = "auto", timeout_s: float = 600.0,
-                 **runner_options: Any) -> HFEngine:
+                 prefix_sharing: bool = True, **runner_options: Any) -> HFEngine:
     """The engine of a transformers causal LM: its modules and weights, its attention replaced by graphrt's
     paged attention over KV pools for ``max_requests`` requests of up to ``max_context`` tokens, and
     ``max_step_tokens`` tokens per step (the chunk budget of prefill): ``kv_slots`` slots for its
     full-attention layers (default: every request at full context), a ring of a window plus a step per
-    request for its sliding-window layers, none for KV-shared layers. ``runner_options`` (RunnerConfig
+    request for its sliding-window layers, none for KV-shared layers. ``prefix_sharing`` (default on) keeps
+    computed prompt prefixes in a radix tree and starts a request with the same prefix after them
+    (graphrt.hf.prefix_sharing; off by name for models with a sliding window ring). ``runner_options`` (RunnerConfig
     fields: ``capture_sizes``, ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for
     its runners. With ``process_group`` (tensor parallel; every rank of the group calls it on the same
     unsharded model, then makes the same calls) the model is sharded in place by its tensor-parallel plan
@@ -431,7 +449,8 @@ def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_
     unknown = set(runner_options) - {field.name for field in fields(RunnerConfig)}
     if unknown:
         raise TypeError(f"runner_options: expected RunnerConfig fields, got {sorted(unknown)}")
-    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options, timeout_s)
+    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options, timeout_s,
+                    prefix_sharing)
 
 
 __all__ = ["HFEngine", "attention_implementation", "engine_model", "refusal"]

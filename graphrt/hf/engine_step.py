@@ -21,7 +21,7 @@ import itertools
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -146,6 +146,14 @@ class EngineSteps:
         else:
             self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
         return Launched(buffers.copy_back("tokens", tokens)), eager
+
+    def write_prompt_ids(self, row: int, start: int, ids: Sequence[int]) -> None:
+        """Positions ``start..`` of request row ``row``'s token history hold ``ids`` (a shared prompt prefix, which
+        no step of this request runs), where the call's rules or penalties read ids."""
+        if self.history is not None:
+            first = row * self.arena.history.shape[1] + start
+            values = torch.tensor(list(ids), dtype=self.history.dtype, pin_memory=self.history.is_cuda)
+            self.history[first:first + len(values)].copy_(values, non_blocking=True)
 
     def read(self, launched: Launched) -> List[int]:
         """The tokens of a launched step, on the host: the step's one wait."""

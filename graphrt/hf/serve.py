@@ -9,6 +9,8 @@ is DECODE, EXTEND or MIXED; when only decodes run and ``steps_per_launch`` > 1, 
 decode steps); assigns its KV slots (graphrt.hf.engine_slots: host bookkeeping, a request's slots its
 own the moment they are assigned, so a step that raises, or an interrupt, releases every slot and row);
 hands the work to the executor (graphrt.hf.engine_step), and takes the tokens of the step they are due.
+With ``prefixes`` (graphrt.hf.prefix_sharing) a request's first prefill chunk may start after a cached
+prompt prefix, or wait for an earlier request computing more of it.
 
 With ``overlap`` (the engine's default on CUDA; SGLang's overlap scheduler and vLLM's async scheduling
 do the same) step N+1 is launched before step N's tokens are read: a decode whose last token is still
@@ -97,6 +99,8 @@ class ServeCounts:
     prefill_steps: int = 0  # EXTEND or MIXED
     prefill_tokens: int = 0  # prompt tokens run in EXTEND/MIXED steps
     prefill_tokens_graphed: int = 0  # of those, in steps that replayed (piecewise graphs)
+    prefix_tokens_reused: int = 0  # prompt tokens not computed: their keys and values were a cached prefix's
+    prefix_requests: int = 0  # requests that started on a cached prefix
     max_running: int = 0
 
 
@@ -130,13 +134,31 @@ class StepExecutor(Protocol):
         """The tokens a launched step chose, one per sampled row (a launch: step-major, every row)."""
 
 
+class PrefixHooks(Protocol):
+    """Prefix sharing's side of the scheduler (graphrt.hf.prefix_sharing.PrefixSharing)."""
+
+    def ready(self, request: Request) -> bool:
+        """Whether ``request`` runs a prefill chunk in this step (its first may start on a cached prefix)."""
+
+    def refresh(self) -> None:
+        """Cache what the steps launched so far computed."""
+
+    def finish(self, request: Request) -> None:
+        """Cache a finished request's tokens."""
+
+    def drop(self, request: Request) -> None:
+        """``request`` releases its row."""
+
+
 class ServeLoop:
     """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet) and
     ``step()``; ``done`` holds each finished request's tokens by index."""
 
     def __init__(self, slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> None:
+                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+                 prefixes: Optional[PrefixHooks] = None) -> None:
         self.slots = slots
+        self.prefixes = prefixes
         self.executor = executor
         self.config = config
         self.counts = counts
@@ -209,6 +231,8 @@ class ServeLoop:
         limit = self.config.max_new_tokens
         decodes: List[Request] = []
         prefills: List[Request] = []
+        if self.prefixes is not None:
+            self.prefixes.refresh()
         for request in self.running:
             if request.cached < len(request.prompt):
                 prefills.append(request)
@@ -234,6 +258,8 @@ class ServeLoop:
         for request in prefills:
             if room <= 0:
                 break
+            if self.prefixes is not None and not self.prefixes.ready(request):
+                continue
             chunk = request.prompt[request.cached: request.cached + room]
             requests.append(request)
             counts.append(len(chunk))
@@ -307,6 +333,8 @@ class ServeLoop:
                     if request.stopped or (len(request.output) >= limit and not request.in_flight)]
         for request in finished:
             self.running.remove(request)
+            if self.prefixes is not None:
+                self.prefixes.finish(request)
             self._release(request)
             self.done[request.index] = request.output
         return finished
@@ -318,6 +346,8 @@ class ServeLoop:
             request.stopped = True
 
     def _release(self, request: Request) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(request)
         release(self.slots, request)
 
 
@@ -341,11 +371,12 @@ def release(slots: SlotTable, request: Request) -> None:
 
 
 def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> List[List[int]]:
+          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+          prefixes: Optional[PrefixHooks] = None) -> List[List[int]]:
     """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
     counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did). Every
     request row and KV slot taken is released on return, an exception or interrupt included."""
-    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap)
+    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap, prefixes)
     try:
         while loop.busy:
             loop.step()
@@ -354,5 +385,5 @@ def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request],
     return loop.done
 
 
-__all__ = ["Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
+__all__ = ["PrefixHooks", "Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
            "serve"]
