@@ -25,7 +25,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, fields
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -38,7 +38,7 @@ from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.engine_slots import SlotTable
 from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
-from graphrt.hf.logits_rules import GenerationRules
+from graphrt.hf.logits_rules import GenerationRules, config_sampling
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
 from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import RequestTokens, TokenChooser
@@ -164,10 +164,12 @@ class HFEngine:
         """Every prompt's generated token ids, served with continuous batching: at most ``max_requests``
         at once (the rest queue), request ``i`` arriving at step ``arrivals[i]`` (default: all at 0),
         prompts prefilled in chunks of the step budget. Greedy unless ``sampling`` (one row per prompt)
-        samples; request ``i`` draws from a generator seeded ``seed + i``. A request stops after
+        samples, or else the generation config samples (``do_sample``: its temperature, top-k, top-p and min-p,
+        as ``generate()`` reads them); request ``i`` draws from a generator seeded ``seed + i``. A request stops after
         ``max_new_tokens``, an EOS id (default: the model's ``generation_config``; None: never) or one of
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
-        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
+        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them; its
+        ``min_new_tokens`` and ``min_length`` hold back every stop id of the request, EOS and its own alike.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
         ``overlap`` (default: on where the graphs are CUDA graphs) launches each step before the host reads
         the last one's tokens; the tokens are the same either way (tensor parallelism and multi-step
@@ -184,19 +186,25 @@ class HFEngine:
             config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
                 else generation_config
             rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.vocab_size)
-            if steps_per_launch > 1 and rules.names:
+            config_row = None if sampling is not None else config_sampling(config_used)
+            names = (*rules.names, *(["do_sample"] if config_row is not None and config_row["temperatures"] else []))
+            if steps_per_launch > 1 and names:
                 raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
-                                 f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
+                                 f"the generation config's {', '.join(names)} need steps_per_launch=1 "
                                  f"(or generation_config=None)")
-            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, sampling, seed),
-                                frozenset(eos) | stops[index]) for index, prompt in enumerate(checked)]
+            rows = sampling if config_row is None else SamplingMetadata.from_params(  # the config samples: seeded
+                **{name: [value] * len(checked) for name, value in config_row.items()})  # as sampling= is
+            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rows, seed,
+                                                                            frozenset(eos) | stops[index]))
+                        for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
                                  steps_per_launch=steps_per_launch)
-            sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
+            sampled = None if rows is None else rows.map(lambda tensor: tensor.tolist())
             named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
                      graphs, seed, sampled, repr(config_used))
-            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device)
+            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device,
+                                   self.max_requests + 1, 1 + max(len(request.stops) for request in requests))
             return (requests, config, chooser), named
 
         if overlap is not None and not isinstance(overlap, bool):
@@ -323,13 +331,12 @@ class HFEngine:
                                         "decode_runner_seconds": counters.decode_seconds}}
 
     def _request_tokens(self, prompt: List[int], index: int, sampling: Optional[SamplingMetadata],
-                        seed: int) -> RequestTokens:
-        """What request ``index``'s tokens are chosen from: its sampling row, its generator."""
-        tokens = RequestTokens(prompt)
-        if sampling is not None:
-            tokens.sampling = sampling.slice(index, index + 1)
-            tokens.generator = torch.Generator(device=self.device).manual_seed(seed + index)
-        return tokens
+                        seed: int, stops: FrozenSet[int]) -> RequestTokens:
+        """What request ``index``'s tokens are chosen from: its sampling row, its generator, its stop ids."""
+        if sampling is None:
+            return RequestTokens(prompt, stops=stops)
+        return RequestTokens(prompt, sampling=sampling.slice(index, index + 1), stops=stops,
+                             generator=torch.Generator(device=self.device).manual_seed(seed + index))
 
     # ---- checks -----------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.logits_rules import RowIds
 from graphrt.hf.request_sampling import FLOAT_PARAMETERS, ChosenRows, TokenChooser
-from graphrt.hf.serve import StepWork
+from graphrt.hf.serve import Request, StepWork
 from graphrt.host.arena import CopyBack, InputBuffers
 from graphrt.host.input_batch import write_requests
 from graphrt.reference import CachePools
@@ -64,22 +64,25 @@ class StepArena:
         self.step_tokens = max(max_step_tokens, max_requests)  # a step's tokens: its budget, or a decode per request
         self.events = events
         self.buffers: Optional[InputBuffers] = None
-        self.steps = 0
+        self.steps = self.hold_width = 0
         self.history: Optional[torch.Tensor] = None
         self.ids = torch.zeros(self.step_tokens, dtype=torch.int64, device=device)
         self.views: Dict[Any, Any] = {}  # views of the arenas per step size (graphrt.hf.engine_step.StepViews)
 
-    def ready(self, steps: int, history: bool) -> None:
-        """Sized for launches of ``steps`` decode steps (per call; reallocated only to grow), the history made."""
-        if self.buffers is None or steps > self.steps:
+    def ready(self, steps: int, history: bool, hold_width: int = 1) -> None:
+        """Sized for launches of ``steps`` decode steps and chosen rows holding back ``hold_width - 1`` stop ids
+        (per call; reallocated only to grow), the history made."""
+        if self.buffers is None or steps > self.steps or hold_width > self.hold_width:
+            steps, hold_width = max(steps, self.steps), max(hold_width, self.hold_width)
             rows, tokens = self.max_requests, max(self.step_tokens, self.max_requests * steps)
             self.buffers = InputBuffers.allocate(
                 rows, tokens, device=self.device, events=self.events,
                 extra_regions={"table_index": tokens, "id_source": self.step_tokens, "chosen_rows": rows,
                                "chosen_table_rows": rows, "chosen_lengths": rows, "chosen_prompt_lengths": rows,
-                               "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2},
+                               "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2,
+                               "chosen_holds": rows * hold_width},
                 result_regions={"tokens": rows * steps})
-            self.steps = steps
+            self.steps, self.hold_width = steps, hold_width
             self.views.clear()
         if history and self.history is None:
             self.history = torch.zeros_like(self.pools.req_to_token.req_to_token)
@@ -114,7 +117,8 @@ class EngineSteps:
 
     def __init__(self, arena: StepArena, runners: EngineRunners, counters: EngineCounters, graphs: bool,
                  steps_per_launch: int, chooser: Optional[TokenChooser]) -> None:
-        arena.ready(steps_per_launch, chooser is not None and chooser.needs_ids)
+        arena.ready(steps_per_launch, chooser is not None and chooser.needs_ids,
+                    1 if chooser is None else chooser.hold_width)
         self.arena = arena
         self.buffers = arena.buffers
         self.runners = runners
@@ -130,6 +134,17 @@ class EngineSteps:
         self.tokens_offset = buffers.regions["tokens"][0]
         self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
         self._runners: Dict[Any, Tuple[Any, Any]] = {}  # the call's runners by kind of step (decode width, prefill)
+
+    def admit(self, request: Request) -> None:
+        """``request`` took its request row: what its tokens are chosen from written there (the token history
+        made first when its choice reads ids and no earlier request's did)."""
+        chooser = self.chooser
+        if chooser is None:
+            return
+        chooser.admit(request.row, request.tokens)
+        if chooser.needs_ids and self.history is None:
+            self.arena.ready(self.steps_per_launch, True)
+            self.history = self.arena.history.view(-1)
 
     def launch(self, work: StepWork) -> Tuple[Launched, int]:
         """Run ``work`` and start copying its chosen tokens back; how many steps ran the model eagerly."""
@@ -277,11 +292,13 @@ class EngineSteps:
         chooser = self.chooser
         if chooser.greedy:
             return
-        indices = [work.requests[position].index for position in sampled]
+        indices = [rows[position] for position in sampled]
         if chooser.needs_ids:
-            host["chosen_table_rows"][:chosen] = [rows[position] for position in sampled]
+            host["chosen_table_rows"][:chosen] = indices
             host["chosen_lengths"][:chosen] = [seq_lens[position] for position in sampled]
             host["chosen_prompt_lengths"][:chosen] = chooser.prompt_lengths[indices]
+            if chooser.holding:
+                host["chosen_holds"][:chosen * chooser.hold_width] = chooser.holds[indices].reshape(-1)
         if chooser.sampled:
             params = host["chosen_params"].view(np.float32).reshape(-1, PARAMETER_COLUMNS)
             params[:chosen, :len(FLOAT_PARAMETERS)] = chooser.params[indices]
@@ -290,12 +307,17 @@ class EngineSteps:
     def _chosen_rows(self, work: StepWork, chosen: int) -> ChosenRows:
         """The device views of what ``_write_chosen`` staged."""
         chooser, device = self.chooser, self.buffers.device_views
-        requests = [work.requests[position].index for position in work.sampled]
+        requests = [work.requests[position].row for position in work.sampled]
         ids = None
         if chooser.needs_ids:
             width = max(work.starts[position] + work.counts[position] for position in work.sampled)
             table_rows = self.arena.history.index_select(0, device["chosen_table_rows"][:chosen])[:, :width]
-            ids = RowIds(table_rows, device["chosen_lengths"][:chosen], device["chosen_prompt_lengths"][:chosen])
+            min_new = stops = None
+            if chooser.holding:
+                holds = device["chosen_holds"][:chosen * chooser.hold_width].view(chosen, chooser.hold_width)
+                min_new, stops = holds[:, 0], holds[:, 1:]
+            ids = RowIds(table_rows, device["chosen_lengths"][:chosen], device["chosen_prompt_lengths"][:chosen],
+                         min_new, stops)
         if not chooser.sampled:
             return ChosenRows(ids, None, None, requests)
         return ChosenRows(ids, self.params[:chosen, :len(FLOAT_PARAMETERS)], device["chosen_top_ks"][:chosen],

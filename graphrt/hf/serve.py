@@ -46,7 +46,6 @@ class Request:
     index: int
     arrival: int
     tokens: RequestTokens
-    stops: FrozenSet[int] = frozenset()
     row: int = 0
     assigned: int = 0  # KV slots held in its table row (released with it, whatever happens to the step)
     cached: int = 0
@@ -57,6 +56,7 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
         self.output: List[int] = self.tokens.output
+        self.stops: FrozenSet[int] = self.tokens.stops
 
     @property
     def prefilling(self) -> bool:
@@ -123,6 +123,9 @@ class StepWork:
 class StepExecutor(Protocol):
     """Runs the steps ``ServeLoop`` schedules (graphrt.hf.engine_step.EngineSteps)."""
 
+    def admit(self, request: Request) -> None:
+        """``request`` took its request row (before its first step)."""
+
     def launch(self, work: StepWork) -> Tuple[Any, int]:
         """Start ``work``: a handle ``read`` takes, and how many of its steps ran the model eagerly."""
 
@@ -187,6 +190,7 @@ class ServeLoop:
             request = waiting.popleft()
             request.row = self.slots.take_row()
             self.running.append(request)
+            self.executor.admit(request)
         self.counts.max_running = max(self.counts.max_running, len(self.running))
 
     def _idle(self) -> None:
