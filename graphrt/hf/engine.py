@@ -39,10 +39,12 @@ from graphrt.hf.engine_slots import SlotTable
 from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
 from graphrt.hf.logits_rules import GenerationRules, config_sampling
+from graphrt.hf.online import OnlineEngine
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
 from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import RequestTokens, TokenChooser
-from graphrt.hf.serve import Request, ServeConfig, ServeCounts, assigned_work, release, serve
+from graphrt.hf.requests import Request
+from graphrt.hf.serve import ServeConfig, ServeCounts, assigned_work, release, serve
 from graphrt.hf.tensor_parallel import shard_model
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.reference import CachePools, ReqToTokenPool
@@ -195,8 +197,8 @@ class HFEngine:
             rows = sampling if config_row is None else SamplingMetadata.from_params(  # the config samples: seeded
                 **{name: [value] * len(checked) for name, value in config_row.items()})  # as sampling= is
             requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rows, seed,
-                                                                            frozenset(eos) | stops[index]))
-                        for index, prompt in enumerate(checked)]
+                                                                            frozenset(eos) | stops[index]),
+                                eos=frozenset(eos)) for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
                                  steps_per_launch=steps_per_launch)
@@ -286,6 +288,15 @@ class HFEngine:
             if self.runners is runners:  # not made anew for a changed model
                 runners.recapture()
 
+    def online(self, graphs: bool = True, overlap: Optional[bool] = None,
+               eos_token_id: Union[None, int, Sequence[int], str] = "model",
+               generation_config: Any = "model") -> OnlineEngine:
+        """An online session (graphrt.hf.online.OnlineEngine): requests added at any time, also from other threads
+        (``add_request(prompt, RequestParams)``), ``step()``, ``abort(id)``, ``stream(id)``; ``eos_token_id`` and
+        ``generation_config`` as ``generate`` reads them. While it is open, the engine serves it alone."""
+        _refuse_training(self.model)
+        return OnlineEngine(self, graphs, overlap, eos_token_id, generation_config)
+
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
         token takes per layer) and the model's ``minimum_per_token_per_layer`` (see graphrt.hf.kv_layout)."""
@@ -301,6 +312,8 @@ class HFEngine:
         call one rank refuses is refused on every rank, before any step). What the probe read is checked first
         (``_follow_model``; in tensor parallel its changes are agreed on with the arguments, then every rank
         probes again together)."""
+        if self._counters.session is not None:
+            raise RuntimeError(f"{call}(): an online session holds the engine (engine.online()); close it first")
         changes = self.probed.state.changes()
         if self.ranks is None:
             self._follow_model(changes)

@@ -30,24 +30,29 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.logits_rules import RowIds
 from graphrt.hf.request_sampling import FLOAT_PARAMETERS, ChosenRows, TokenChooser
-from graphrt.hf.serve import Request, StepWork
+from graphrt.hf.requests import MAX_TOP_LOGPROBS, Request
+from graphrt.hf.serve import StepWork
 from graphrt.host.arena import CopyBack, InputBuffers
 from graphrt.host.input_batch import write_requests
 from graphrt.reference import CachePools
 
 PARAMETER_COLUMNS = 8  # float32 columns per chosen row in the arena (FLOAT_PARAMETERS, padded to whole int64s)
+# int64 values per chosen row copied back at most: its token, its log-probability, and the top ones (id, value)
+RESULT_COLUMNS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 @dataclass
 class EngineCounters:
     """The engine's counts during a call (a plain object of their own: the engine itself is read by guards,
     and an assignment to it would move the state epoch): model calls (eager steps run the model's Python),
-    seconds in the runners, of those in decode steps, and the last call's statistics."""
+    seconds in the runners, of those in decode steps, the last call's statistics, and the online session that
+    holds the engine (graphrt.hf.online)."""
 
     model_calls: int = 0
     runner_seconds: float = 0.0
     decode_seconds: float = 0.0
     stats: Optional[dict] = None
+    session: Optional[Any] = None
 
 
 class StepArena:
@@ -81,7 +86,7 @@ class StepArena:
                                "chosen_table_rows": rows, "chosen_lengths": rows, "chosen_prompt_lengths": rows,
                                "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2,
                                "chosen_holds": rows * hold_width},
-                result_regions={"tokens": rows * steps})
+                result_regions={"tokens": rows * max(steps, RESULT_COLUMNS)})
             self.steps, self.hold_width = steps, hold_width
             self.views.clear()
         if history and self.history is None:
@@ -107,9 +112,12 @@ class StepViews:
 
 @dataclass
 class Launched:
-    """A launched step: its chosen tokens on their way to the host (None: it chose none)."""
+    """A launched step: its chosen tokens on their way to the host (None: it chose none), with ``top`` >= 0
+    their log-probabilities and ``top`` most likely tokens' after them (``read`` decodes them: ``logprobs``)."""
 
     copied: Optional[CopyBack]
+    top: int = -1
+    logprobs: Optional[List[Tuple[float, List[Tuple[int, float]]]]] = None
 
 
 class EngineSteps:
@@ -160,11 +168,31 @@ class EngineSteps:
             torch.argmax(rows, dim=-1, out=tokens)
         else:
             self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
-        return Launched(buffers.copy_back("tokens", tokens)), eager
+        top = self.chooser.top_logprobs
+        if top < 0:
+            return Launched(buffers.copy_back("tokens", tokens)), eager
+        return Launched(buffers.copy_back("tokens", _with_logprobs(rows, tokens, top)), top), eager
 
     def read(self, launched: Launched) -> List[int]:
-        """The tokens of a launched step, on the host: the step's one wait."""
-        return [] if launched.copied is None else self.buffers.read_back(launched.copied)
+        """The tokens of a launched step, on the host: the step's one wait (their log-probabilities, when
+        computed, come in the same copy: kept in ``launched.logprobs``)."""
+        if launched.copied is None:
+            return []
+        values = self.buffers.read_back(launched.copied)
+        if launched.top < 0:
+            return values
+        top, chosen = launched.top, len(values) // (2 + 2 * launched.top)
+        logprobs = np.array(values[chosen:], dtype=np.int64).view(np.float64)
+        ids = values[2 * chosen: (2 + top) * chosen]
+        tops = logprobs[(1 + top) * chosen:]
+        launched.logprobs = [(float(logprobs[row]), [(ids[row * top + k], float(tops[row * top + k]))
+                                                     for k in range(top)]) for row in range(chosen)]
+        return values[:chosen]
+
+    @staticmethod
+    def read_logprobs(launched: Launched) -> Optional[List[Tuple[float, List[Tuple[int, float]]]]]:
+        """The log-probabilities ``read`` decoded (None: the step computed none)."""
+        return launched.logprobs
 
     def run(self, work: StepWork) -> Tuple[torch.Tensor, int]:
         """Stage ``work`` and run it: the runner's output (logits of its tokens, or a launch's tokens) and
@@ -322,6 +350,15 @@ class EngineSteps:
             return ChosenRows(ids, None, None, requests)
         return ChosenRows(ids, self.params[:chosen, :len(FLOAT_PARAMETERS)], device["chosen_top_ks"][:chosen],
                           requests)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """``tokens`` [rows], then their log-probabilities under ``logits`` [rows, vocab], the ``top`` most likely
+    ids and their log-probabilities (row-major), as one int64 tensor (float64 bits) for one copy back."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).double().view(torch.int64)
+    values, ids = logprobs.topk(top, dim=-1)
+    return torch.cat((tokens, chosen, ids.reshape(-1), values.double().reshape(-1).view(torch.int64)))
 
 
 __all__ = ["EngineCounters", "EngineSteps", "Launched", "StepArena"]

@@ -37,6 +37,7 @@ class RequestTokens:
     sampling: Optional[SamplingMetadata] = None  # its row of the call's sampling (None: greedy)
     stops: FrozenSet[int] = frozenset()
     min_new_tokens: Optional[int] = None
+    top_logprobs: int = -1  # -1: no log-probabilities; k >= 0: the chosen token's and the k most likely tokens'
 
     def __post_init__(self) -> None:
         sampling = self.sampling
@@ -77,6 +78,7 @@ class TokenChooser:
         rules.prepare(vocab, device)  # the rules' constants on the device before the first step
         self.rules = rules
         self.sampled = self.penalties = self.draws = self.holding = False
+        self.top_logprobs = -1  # the most asked for by a request (every chosen row gets as many, when >= 0)
         self.hold_width = hold_width
         self.holds = np.zeros((rows, hold_width), dtype=np.int64)
         self.generators: List[Optional[torch.Generator]] = [None] * rows
@@ -119,6 +121,7 @@ class TokenChooser:
         self.check_stops(request)
         self.holding = self.holding or bool(request.stops and (self.min_new_tokens(request) > 0
                                                                or self.rules.min_length))
+        self.top_logprobs = max(self.top_logprobs, request.top_logprobs)
         self.sampled = self.sampled or request.sampling is not None
         self.penalties = self.penalties or request.has_penalties
         self.draws = self.draws or request.draws
