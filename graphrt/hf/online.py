@@ -16,6 +16,7 @@ multi-step launches.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import ExitStack
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -57,6 +58,8 @@ class OnlineEngine:
         with engine._lock:
             engine._agreed("online", lambda: (None, ()))  # the model followed first, as every call does
             engine._counters.session = self  # the engine refuses its other calls until close()
+            engine._counters.runner_seconds = engine._counters.decode_seconds = 0.0
+            self._step_seconds = 0.0
             try:
                 self.chooser = TokenChooser(self.rules, [], engine.logits_width, engine.device, engine.max_requests + 1,
                                             1 + MAX_STOP_IDS)
@@ -113,9 +116,11 @@ class OnlineEngine:
         """One scheduled step of every running request (requests added since join first): an output for each
         request that got tokens or ended in it (``new``: the tokens it got in this step)."""
         with self.engine._lock, torch.no_grad():
+            start = time.perf_counter()
             self._take_inbox()
             loop = self.loop
             finished = loop.step()
+            self._step_seconds += time.perf_counter() - start
             touched = dict(loop.produced)
             loop.produced.clear()
             for request in finished:
@@ -158,12 +163,15 @@ class OnlineEngine:
         return bool(self._inbox) or self.loop.busy
 
     def stats(self) -> Dict[str, Any]:
-        """``serve``: the session's step counts (ServeCounts); ``requests``: per request id its ``queue_s`` (added
+        """``serve``: the session's step counts (ServeCounts), ``seconds`` in ``step()``, of those
+        ``runner_seconds`` in the runners' calls (``decode_runner_seconds``: decode steps); ``requests``: per request id its ``queue_s`` (added
         to admitted), ``ttft_s`` (added to its first token), ``tpot_s`` (per output token after the first),
         ``tokens`` and ``finish_reason`` (None while running)."""
         with self._inbox_lock:
             requests = dict(self._requests)
-        return {"serve": dict(vars(self.counts)),
+        counters = self.engine._counters
+        return {"serve": {**vars(self.counts), "seconds": self._step_seconds, "runner_seconds": counters.runner_seconds,
+                          "decode_runner_seconds": counters.decode_seconds},
                 "requests": {request_id: {**request.times.summary(len(request.output)), "tokens": len(request.output),
                                           "finish_reason": request.finish_reason}
                              for request_id, request in requests.items()}}
