@@ -250,3 +250,27 @@ def test_an_online_step_stays_at_the_host_floor_on_the_fake_cuda(llama, monkeypa
                 assert copies in ([], [("h2d", True, True)]), entries
                 assert waits in ([], [("sync", "Event.synchronize")]), entries
     assert tokens[None] == tokens[False] == expected
+
+
+def test_online_follows_the_generation_config_as_generate_does():
+    """A config that samples is sampled online too, each request seeded by its own seed: with the seeds
+    generate() gives its requests (seed + i), the same tokens; a config the session cannot follow is named."""
+    from hf_helpers import tiny_model
+
+    model = tiny_model("llama")
+    for name, value in dict(do_sample=True, temperature=0.8, top_k=6, repetition_penalty=1.3).items():
+        setattr(model.generation_config, name, value)
+    engine = graphrt.hf.engine_model(model, max_requests=2, max_context=32, max_step_tokens=8, warmup_iters=1,
+                                     piecewise_sizes=[8])
+    prompts = ragged_prompts([5, 3, 6], seed=40)
+    offline = engine.generate(prompts, max_new_tokens=NEW, seed=4, eos_token_id=None)
+    with engine.online(eos_token_id=None) as online:
+        outputs = online.run(prompts, [RequestParams(max_new_tokens=NEW, seed=4 + index) for index in range(3)])
+        with pytest.raises(ValueError, match="params: expected one RequestParams per prompt"):
+            online.run(prompts, [RequestParams()])
+    assert [output.tokens for output in outputs] == offline
+    assert offline != engine.generate(prompts, max_new_tokens=NEW, eos_token_id=None, generation_config=None)
+    model.generation_config.forced_eos_token_id = 2
+    with pytest.raises(ValueError, match="forced_eos_token_id"):
+        engine.online()
+    assert engine.generate(prompts[:1], max_new_tokens=2)  # a refused session leaves the engine free

@@ -16,6 +16,8 @@ prompts with continuous batching (``graphrt.hf.serve``) through the engine's run
 call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
 device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
 (``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
+``online`` opens a session on the same loop: requests added, stepped, streamed and aborted while it runs
+(``graphrt.hf.online``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ host-floor step: one pinned copy in, one read out, the next step launched before
 are read where the engine overlaps), and returns what each request produced; ``abort(id)`` ends a
 request now, its request row and KV slots back to the pools at once; ``stream(id)`` yields a request's
 new tokens as they are chosen, stepping the loop itself. While a session is open the engine serves it
-alone (``generate`` and the other calls are refused until ``close()``). Not covered: tensor parallelism,
-multi-step launches.
+alone (``generate`` and the other calls are refused until ``close()``); the model is followed (what the
+probe read checked, graphrt.hf.model_state) when the session opens, not at each step. Not covered: tensor
+parallelism, multi-step launches, a generation config's ``forced_eos_token_id`` (refused by name).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class OnlineEngine:
             else generation_config
         self.eos = frozenset(engine._eos_ids(eos_token_id))
         self.rules = GenerationRules.from_config(config_used, sorted(self.eos), engine.max_context, engine.vocab_size)
+        if self.rules.forced_eos is not None:
+            raise ValueError("generation_config.forced_eos_token_id: forced at the call's last step, which an online "
+                             "session's per-request max_new_tokens do not share; use generate() (or "
+                             "generation_config=None)")
         self.config_sampling = config_sampling(config_used)
         self.config = ServeConfig(max_running=engine.max_requests, max_step_tokens=engine.max_step_tokens,
                                   max_new_tokens=1, max_context=engine.max_context)
@@ -146,6 +151,8 @@ class OnlineEngine:
     def run(self, prompts: Sequence[Sequence[int]], params: Optional[Sequence[RequestParams]] = None
             ) -> List[RequestOutput]:
         """Add every prompt (``params``: one per prompt, or None) and step until they all ended: their outputs."""
+        if params is not None and len(params) != len(prompts):
+            raise ValueError(f"params: expected one RequestParams per prompt ({len(prompts)}), got {len(params)}")
         ids = [self.add_request(prompt, None if params is None else params[index])
                for index, prompt in enumerate(prompts)]
         while not all(self._get(request_id).finish_reason for request_id in ids):

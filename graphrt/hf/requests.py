@@ -135,7 +135,8 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What the online engine reports of a request: its tokens so far (``new``: since its last report), whether
+    """What the online engine reports of a request: its tokens so far (``new``: those of this step, from
+    ``step()``; empty from ``output()``), whether
     it ended and why (``error``: why it was rejected), its log-probabilities when asked for (per token: the
     chosen token's, and ``top_logprobs`` pairs (token, log-probability), most likely first) and its times."""
 
