@@ -119,7 +119,8 @@ class OnlineEngine:
 
     def step(self) -> List[RequestOutput]:
         """One scheduled step of every running request (requests added since join first): an output for each
-        request that got tokens or ended in it (``new``: the tokens it got in this step)."""
+        request that got tokens or ended in it (``new``: the tokens it got in this step, ``logprobs``: theirs;
+        ``tokens``: the request's own list, which later steps grow)."""
         with self.engine._lock, torch.no_grad():
             start = time.perf_counter()
             self._take_inbox()
@@ -130,7 +131,7 @@ class OnlineEngine:
             loop.produced.clear()
             for request in finished:
                 touched.setdefault(request.index, (request, len(request.output)))
-            return [self._output(request, request.output[before:]) for request, before in touched.values()]
+            return [self._output(request, before) for request, before in touched.values()]
 
     def stream(self, request_id: int) -> Iterator[List[int]]:
         """Request ``request_id``'s new tokens as they are chosen (a list per step that chose some), stepping the
@@ -160,9 +161,10 @@ class OnlineEngine:
         return [self.output(request_id) for request_id in ids]
 
     def output(self, request_id: int) -> RequestOutput:
-        """Request ``request_id``'s tokens so far, whether it ended and why (``new``: empty)."""
+        """Request ``request_id``'s tokens so far (a copy), their log-probabilities, whether it ended and why
+        (``new``: empty)."""
         request = self._get(request_id)
-        return self._output(request, [])
+        return self._output(request, None)
 
     @property
     def busy(self) -> bool:
@@ -257,13 +259,17 @@ class OnlineEngine:
             raise KeyError(f"request_id: no request {request_id!r} was added to this session")
         return request
 
-    def _output(self, request: Request, new: List[int]) -> RequestOutput:
+    def _output(self, request: Request, before: Optional[int]) -> RequestOutput:
+        """``request``'s output: after a step (``before``: its tokens before it) its live token list, the new tokens
+        and their log-probabilities (no copy of what came earlier: a step costs the same late in a long request);
+        else (None) copies of everything."""
+        tokens, start = (list(request.output), 0) if before is None else (request.output, before)
         logprobs: Tuple[Optional[List[float]], Optional[List[List[Tuple[int, float]]]]] = (None, None)
         if request.logprobs is not None:
-            logprobs = ([chosen for chosen, _ in request.logprobs], [top for _, top in request.logprobs])
-        return RequestOutput(request.index, list(request.output), list(new), request.finish_reason is not None,
-                             request.finish_reason, self._errors.get(request.index), *logprobs,
-                             times=request.times.summary(len(request.output)))
+            logprobs = ([chosen for chosen, _ in request.logprobs[start:]], [top for _, top in request.logprobs[start:]])
+        return RequestOutput(request.index, tokens, request.output[start:] if before is not None else [],
+                             request.finish_reason is not None, request.finish_reason, self._errors.get(request.index),
+                             *logprobs, times=request.times.summary(len(request.output)))
 
 
 __all__ = ["MAX_STOP_IDS", "OnlineEngine"]

@@ -135,10 +135,11 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What the online engine reports of a request: its tokens so far (``new``: those of this step, from
-    ``step()``; empty from ``output()``), whether
-    it ended and why (``error``: why it was rejected), its log-probabilities when asked for (per token: the
-    chosen token's, and ``top_logprobs`` pairs (token, log-probability), most likely first) and its times."""
+    """What the online engine reports of a request: its tokens so far (from ``step()``: the request's own list,
+    which later steps grow, and ``new``, those of this step, with the log-probabilities of those only; from
+    ``output()``: copies of all, ``new`` empty), whether it ended and why (``error``: why it was rejected), its
+    log-probabilities when asked for (per token: the chosen token's, and ``top_logprobs`` pairs (token,
+    log-probability), most likely first) and its times."""
 
     request_id: int
     tokens: List[int]
