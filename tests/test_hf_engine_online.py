@@ -274,3 +274,24 @@ def test_online_follows_the_generation_config_as_generate_does():
     with pytest.raises(ValueError, match="forced_eos_token_id"):
         engine.online()
     assert engine.generate(prompts[:1], max_new_tokens=2)  # a refused session leaves the engine free
+
+
+def test_an_online_session_leaves_the_state_epoch_where_it_was(llama, engine):
+    """Nothing an online step does (the inbox, the session's bookkeeping, the requests' times) assigns to an
+    object a guard watches: the epoch does not move, and every decode step replays."""
+    from graphrt.guards import epoch
+
+    prompts = ragged_prompts([5, 3, 7], seed=41)
+    expected = generate_alone(llama, prompts, NEW, eos_token_id=None)
+    engine.generate(prompts, max_new_tokens=NEW, eos_token_id=None)  # every key captured
+    with engine.online(eos_token_id=None) as online:
+        ids = [online.add_request(prompts[0], RequestParams(max_new_tokens=NEW))]
+        online.step()
+        before = epoch.EPOCH[0]
+        ids += [online.add_request(prompt, RequestParams(max_new_tokens=NEW)) for prompt in prompts[1:]]
+        while online.busy:
+            online.step()
+        assert epoch.EPOCH[0] == before
+        serve = online.stats()["serve"]
+        assert [online.output(request_id).tokens for request_id in ids] == expected
+    assert serve["decode_steps"] >= NEW - 1 and serve["decode_steps_graphed"] == serve["decode_steps"]
