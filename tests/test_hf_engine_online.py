@@ -295,3 +295,17 @@ def test_an_online_session_leaves_the_state_epoch_where_it_was(llama, engine):
         serve = online.stats()["serve"]
         assert [online.output(request_id).tokens for request_id in ids] == expected
     assert serve["decode_steps"] >= NEW - 1 and serve["decode_steps_graphed"] == serve["decode_steps"]
+
+
+def test_generate_says_each_requests_times_and_finish_reason(llama, engine):
+    prompts = ragged_prompts([5, 3, 7, 4], seed=42)
+    plain = generate_alone(llama, prompts, NEW, eos_token_id=None)
+    eos = plain[1][2]
+    assert eos not in plain[0] + plain[2] + plain[3][:1]  # the seed's prompts: only request 1 meets it
+    tokens = engine.generate(prompts, max_new_tokens=NEW, eos_token_id=[eos], stop_token_ids=[[], [], [], [plain[3][0]]])
+    requests = engine.stats()["requests"]
+    assert [request["finish_reason"] for request in requests] == [
+        FinishReason.LENGTH, FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP]
+    assert [request["tokens"] for request in requests] == [len(row) for row in tokens]
+    assert all(0 <= request["queue_s"] <= request["ttft_s"] for request in requests)
+    assert requests[3]["queue_s"] > requests[0]["queue_s"]  # 3 rows: the fourth waited for one

@@ -216,7 +216,7 @@ class HFEngine:
         with self._lock:
             requests, config, chooser = self._agreed("generate", prepare)
             counts = ServeCounts()
-            with self._call(counts), torch.no_grad(), self.probed.ropes.serving(
+            with self._call(counts, requests), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
                 share = None if self.ranks is None else self.ranks.share_tokens
@@ -273,7 +273,9 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
+        ``decode_runner_seconds`` (decode steps and launches); ``requests``: per request of ``generate`` its
+        ``queue_s``, ``ttft_s``, ``tpot_s`` (graphrt.hf.requests.RequestTimes), ``tokens`` and ``finish_reason``;
+        ``ranks``: the tensor-parallel ranks (1 alone)."""
         with self._lock:
             if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -330,8 +332,9 @@ class HFEngine:
         return checked
 
     @contextmanager
-    def _call(self, counts: ServeCounts) -> Iterator[None]:
-        """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
+    def _call(self, counts: ServeCounts, requests: Sequence[Request] = ()) -> Iterator[None]:
+        """Around one call: its statistics (``stats()``) kept whatever way the call ends, with ``requests``' times
+        and finish reasons."""
         before = self.runners.snapshot()
         counters = self._counters
         counters.runner_seconds = counters.decode_seconds = 0.0
@@ -343,7 +346,9 @@ class HFEngine:
             counters.stats = {**self.runners.call_stats(before),
                               "ranks": 1 if self.ranks is None else self.ranks.world_size,
                               "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": counters.runner_seconds,
-                                        "decode_runner_seconds": counters.decode_seconds}}
+                                        "decode_runner_seconds": counters.decode_seconds},
+                              "requests": [{**request.times.summary(len(request.output)), "tokens": len(request.output),
+                                            "finish_reason": request.finish_reason} for request in requests]}
 
     def _request_tokens(self, prompt: List[int], index: int, sampling: Optional[SamplingMetadata],
                         seed: int, stops: FrozenSet[int]) -> RequestTokens:
