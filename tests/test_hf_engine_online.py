@@ -300,8 +300,7 @@ def test_an_online_session_leaves_the_state_epoch_where_it_was(llama, engine):
 def test_generate_says_each_requests_times_and_finish_reason(llama, engine):
     prompts = ragged_prompts([5, 3, 7, 4], seed=42)
     plain = generate_alone(llama, prompts, NEW, eos_token_id=None)
-    eos = plain[1][2]
-    assert eos not in plain[0] + plain[2] + plain[3][:1]  # the seed's prompts: only request 1 meets it
+    eos = next(token for token in plain[1][1:] if token not in plain[0] + plain[2] + plain[3][:1])  # request 1's only
     tokens = engine.generate(prompts, max_new_tokens=NEW, eos_token_id=[eos], stop_token_ids=[[], [], [], [plain[3][0]]])
     requests = engine.stats()["requests"]
     assert [request["finish_reason"] for request in requests] == [
