@@ -217,8 +217,14 @@ class FixedTokens:
         self.seen()
         return len(work.sampled) * (work.steps if work.steps > 1 else 1), 0
 
+    def admit(self, request):
+        pass
+
     def read(self, handle):
         return [5] * handle
+
+    def read_logprobs(self, handle):
+        return None
 
 
 def test_a_finished_request_unlocks_at_once_and_a_closed_loop_unlocks_everything():
@@ -229,18 +235,19 @@ def test_a_finished_request_unlocks_at_once_and_a_closed_loop_unlocks_everything
     from graphrt.hf.prefix_cache import PrefixCache
     from graphrt.hf.prefix_sharing import PrefixSharing
     from graphrt.hf.request_sampling import RequestTokens
-    from graphrt.hf.serve import Request, ServeConfig, ServeCounts, ServeLoop
+    from graphrt.hf.requests import Request
+    from graphrt.hf.serve import ServeConfig, ServeCounts, ServeLoop
     from graphrt.reference import ReqToTokenPool
 
     cache, counts = PrefixCache(), ServeCounts()
     slots = SlotTable(ReqToTokenPool(4, 32, "cpu"), 64, cache)
     system = list(range(10, 22))
-    requests = [Request(0, 0, RequestTokens(system + [40, 41])), Request(1, 0, RequestTokens(system + [50]), {5})]
+    requests = [Request(0, 0, RequestTokens(system + [40, 41])), Request(1, 0, RequestTokens(system + [50], stops=frozenset({5})))]
     config = ServeConfig(max_running=3, max_step_tokens=8, max_new_tokens=6, max_context=32)
     locks = []
     executor = FixedTokens(lambda: locks.append(cache.match(system)[1].locks))
     loop = ServeLoop(slots, executor, requests, config, counts, prefixes=PrefixSharing(slots, cache, counts))
-    while loop.done[1] is None:
+    while 1 not in loop.done:
         loop.step()
     assert locks[-1] == 2  # both read the system prompt in the step that finished one
     assert cache.match(system)[1].locks == 1 and loop.running == [requests[0]]  # its lock given back at once
@@ -250,3 +257,27 @@ def test_a_finished_request_unlocks_at_once_and_a_closed_loop_unlocks_everything
     assert slots.available < 63  # the running request holds its own slots
     loop.close()
     assert cache.evictable_tokens == cache.cached_tokens and slots.available == 63
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+def test_an_online_session_shares_prefixes_and_captures_before_its_first_step(llama, graphs, monkeypatch):
+    """The online session (issue 50, item 6) runs the loop generate() runs: prompts sharing a system prompt
+    compute it once there too, with generate()'s tokens, and every runner is captured when the session
+    opens, not between two of its steps (issue 48, item 5)."""
+    from graphrt import GraphRunner
+
+    engine = make_engine(llama)
+    prompts = system_prompts(4)
+    expected = generate_alone(llama, prompts, NEW_TOKENS)
+    events = []
+    capture, call = GraphRunner.capture, GraphRunner.__call__
+    monkeypatch.setattr(GraphRunner, "capture", lambda runner: (events.append("capture"), capture(runner))[1])
+    monkeypatch.setattr(GraphRunner, "__call__", lambda runner, batch: (events.append("step"), call(runner, batch))[1])
+    with engine.online(graphs=graphs) as online:
+        outputs = online.run(prompts, [graphrt.hf.RequestParams(max_new_tokens=NEW_TOKENS)] * len(prompts))
+        serve = online.stats()["serve"]
+    assert [output.tokens for output in outputs] == expected
+    assert serve["prefix_tokens_reused"] > 0 and serve["prefix_requests"] >= 2, serve
+    if graphs:
+        assert "capture" in events and "capture" not in events[events.index("step"):], events
+    assert_all_back(engine)

@@ -17,6 +17,8 @@ prefixes computed once, ``graphrt.hf.prefix_sharing``), one
 call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
 device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
 (``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
+``online`` opens a session on the same loop: requests added, stepped, streamed and aborted while it runs
+(``graphrt.hf.online``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, fields
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -39,12 +41,14 @@ from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.engine_slots import SlotTable
 from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
-from graphrt.hf.logits_rules import GenerationRules
+from graphrt.hf.logits_rules import GenerationRules, config_sampling
+from graphrt.hf.online import OnlineEngine
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
 from graphrt.hf.prefix_sharing import EnginePrefixes
 from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import RequestTokens, TokenChooser
-from graphrt.hf.serve import Request, ServeConfig, ServeCounts, assigned_work, release, serve
+from graphrt.hf.requests import Request
+from graphrt.hf.serve import ServeConfig, ServeCounts, assigned_work, release, serve
 from graphrt.hf.tensor_parallel import shard_model
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.reference import CachePools, ReqToTokenPool
@@ -171,10 +175,12 @@ class HFEngine:
         """Every prompt's generated token ids, served with continuous batching: at most ``max_requests``
         at once (the rest queue), request ``i`` arriving at step ``arrivals[i]`` (default: all at 0),
         prompts prefilled in chunks of the step budget. Greedy unless ``sampling`` (one row per prompt)
-        samples; request ``i`` draws from a generator seeded ``seed + i``. A request stops after
+        samples, or else the generation config samples (``do_sample``: its temperature, top-k, top-p and min-p,
+        as ``generate()`` reads them); request ``i`` draws from a generator seeded ``seed + i``. A request stops after
         ``max_new_tokens``, an EOS id (default: the model's ``generation_config``; None: never) or one of
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
-        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
+        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them; its
+        ``min_new_tokens`` and ``min_length`` hold back every stop id of the request, EOS and its own alike.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
         ``overlap`` (default: on where the graphs are CUDA graphs) launches each step before the host reads
         the last one's tokens; the tokens are the same either way (tensor parallelism and multi-step
@@ -191,19 +197,25 @@ class HFEngine:
             config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
                 else generation_config
             rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.vocab_size)
-            if steps_per_launch > 1 and rules.names:
+            config_row = None if sampling is not None else config_sampling(config_used)
+            names = (*rules.names, *(["do_sample"] if config_row is not None and config_row["temperatures"] else []))
+            if steps_per_launch > 1 and names:
                 raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
-                                 f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
+                                 f"the generation config's {', '.join(names)} need steps_per_launch=1 "
                                  f"(or generation_config=None)")
-            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, sampling, seed),
-                                frozenset(eos) | stops[index]) for index, prompt in enumerate(checked)]
+            rows = sampling if config_row is None else SamplingMetadata.from_params(  # the config samples: seeded
+                **{name: [value] * len(checked) for name, value in config_row.items()})  # as sampling= is
+            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rows, seed,
+                                                                            frozenset(eos) | stops[index]),
+                                eos=frozenset(eos)) for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
                                  steps_per_launch=steps_per_launch)
-            sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
+            sampled = None if rows is None else rows.map(lambda tensor: tensor.tolist())
             named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
                      graphs, seed, sampled, repr(config_used))
-            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device)
+            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device,
+                                   self.max_requests + 1, 1 + max(len(request.stops) for request in requests))
             return (requests, config, chooser), named
 
         if overlap is not None and not isinstance(overlap, bool):
@@ -211,7 +223,7 @@ class HFEngine:
         with self._lock:
             requests, config, chooser = self._agreed("generate", prepare)
             counts = ServeCounts()
-            with self._call(counts), torch.no_grad(), self.probed.ropes.serving(
+            with self._call(counts, requests), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
                 self.runners.prepare(graphs, steps_per_launch)  # every runner captured before the first step
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
@@ -271,8 +283,10 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches), ``prefix_tokens_reused``; ``ranks``: the tensor-parallel
-        ranks (1 alone); ``prefix_cache``: whether prefixes are shared (or why not) and the cache's sizes."""
+        ``decode_runner_seconds`` (decode steps and launches), ``prefix_tokens_reused``; ``requests``: per request of
+        ``generate`` its ``queue_s``, ``ttft_s``, ``tpot_s`` (graphrt.hf.requests.RequestTimes), ``tokens`` and
+        ``finish_reason``; ``ranks``: the tensor-parallel ranks (1 alone); ``prefix_cache``: whether prefixes are
+        shared (or why not) and the cache's sizes."""
         with self._lock:
             if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -296,6 +310,15 @@ class HFEngine:
         with self._lock:
             self.slots.clear_prefixes()
 
+    def online(self, graphs: bool = True, overlap: Optional[bool] = None,
+               eos_token_id: Union[None, int, Sequence[int], str] = "model",
+               generation_config: Any = "model") -> OnlineEngine:
+        """An online session (graphrt.hf.online.OnlineEngine): requests added at any time, also from other threads
+        (``add_request(prompt, RequestParams)``), ``step()``, ``abort(id)``, ``stream(id)``; ``eos_token_id`` and
+        ``generation_config`` as ``generate`` reads them. While it is open, the engine serves it alone."""
+        _refuse_training(self.model)
+        return OnlineEngine(self, graphs, overlap, eos_token_id, generation_config)
+
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
         token takes per layer) and the model's ``minimum_per_token_per_layer`` (see graphrt.hf.kv_layout)."""
@@ -311,6 +334,8 @@ class HFEngine:
         call one rank refuses is refused on every rank, before any step). What the probe read is checked first
         (``_follow_model``; in tensor parallel its changes are agreed on with the arguments, then every rank
         probes again together)."""
+        if self._counters.session is not None:
+            raise RuntimeError(f"{call}(): an online session holds the engine (engine.online()); close it first")
         changes = self.probed.state.changes()
         if self.ranks is None:
             self._follow_model(changes)
@@ -325,8 +350,9 @@ class HFEngine:
         return checked
 
     @contextmanager
-    def _call(self, counts: ServeCounts) -> Iterator[None]:
-        """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
+    def _call(self, counts: ServeCounts, requests: Sequence[Request] = ()) -> Iterator[None]:
+        """Around one call: its statistics (``stats()``) kept whatever way the call ends, with ``requests``' times
+        and finish reasons."""
         before = self.runners.snapshot()
         counters = self._counters
         counters.runner_seconds = counters.decode_seconds = 0.0
@@ -339,16 +365,17 @@ class HFEngine:
                               "ranks": 1 if self.ranks is None else self.ranks.world_size,
                               "prefix_cache": self.prefixes.stats(),
                               "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": counters.runner_seconds,
-                                        "decode_runner_seconds": counters.decode_seconds}}
+                                        "decode_runner_seconds": counters.decode_seconds},
+                              "requests": [{**request.times.summary(len(request.output)), "tokens": len(request.output),
+                                            "finish_reason": request.finish_reason} for request in requests]}
 
     def _request_tokens(self, prompt: List[int], index: int, sampling: Optional[SamplingMetadata],
-                        seed: int) -> RequestTokens:
-        """What request ``index``'s tokens are chosen from: its sampling row, its generator."""
-        tokens = RequestTokens(prompt)
-        if sampling is not None:
-            tokens.sampling = sampling.slice(index, index + 1)
-            tokens.generator = torch.Generator(device=self.device).manual_seed(seed + index)
-        return tokens
+                        seed: int, stops: FrozenSet[int]) -> RequestTokens:
+        """What request ``index``'s tokens are chosen from: its sampling row, its generator, its stop ids."""
+        if sampling is None:
+            return RequestTokens(prompt, stops=stops)
+        return RequestTokens(prompt, sampling=sampling.slice(index, index + 1), stops=stops,
+                             generator=torch.Generator(device=self.device).manual_seed(seed + index))
 
     # ---- checks -----------------------------------------------------------------------------------
 

@@ -26,49 +26,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from graphrt.batch import ForwardMode
 from graphrt.hf.engine_slots import SlotTable
-from graphrt.hf.request_sampling import RequestTokens
+from graphrt.hf.requests import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
 # the tokens a step chose (flat) -> the tokens to go on with (tensor parallel: rank 0's, on every rank)
 ShareFn = Callable[[List[int]], List[int]]
-
-
-@dataclass
-class Request:
-    """One prompt being served: its request row, how many KV slots it was assigned and how many of its
-    tokens are in the KV cache, what its tokens are chosen from, the ids that stop it, and how many tokens
-    were chosen for it (read into its output, or one still on the device: row ``carried`` of the last
-    step launched)."""
-
-    index: int
-    arrival: int
-    tokens: RequestTokens
-    stops: FrozenSet[int] = frozenset()
-    row: int = 0
-    assigned: int = 0  # KV slots held in its table row (released with it, whatever happens to the step)
-    cached: int = 0
-    chosen: int = 0
-    carried: int = -1
-    stopped: bool = False  # one of its stop ids was read: later tokens are dropped
-
-    def __post_init__(self) -> None:
-        self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
-        self.output: List[int] = self.tokens.output
-
-    @property
-    def prefilling(self) -> bool:
-        """True while part of the prompt is not in the KV cache yet."""
-        return self.cached < len(self.prompt)
-
-    @property
-    def in_flight(self) -> bool:
-        """True while its last chosen token is on the device, not read yet."""
-        return self.chosen > len(self.output)
 
 
 @dataclass
@@ -82,10 +50,14 @@ class ServeConfig:
     max_context: int
     steps_per_launch: int = 1
 
+    def limit(self, request: Request) -> int:
+        """The most new tokens of ``request``: its own limit, else the call's."""
+        return request.max_new_tokens or self.max_new_tokens
+
     def slots_needed(self, request: Request) -> int:
         """The most KV slots ``request`` may take: its prompt, its new tokens but the last (never fed back)
         and the steps a launch may run past its stop, never more than the context (a launch stops there)."""
-        wanted = len(request.prompt) + self.max_new_tokens - 1 + self.steps_per_launch - 1
+        wanted = len(request.prompt) + self.limit(request) - 1 + self.steps_per_launch - 1
         return min(wanted, self.max_context)
 
 
@@ -127,11 +99,17 @@ class StepWork:
 class StepExecutor(Protocol):
     """Runs the steps ``ServeLoop`` schedules (graphrt.hf.engine_step.EngineSteps)."""
 
+    def admit(self, request: Request) -> None:
+        """``request`` took its request row (before its first step)."""
+
     def launch(self, work: StepWork) -> Tuple[Any, int]:
         """Start ``work``: a handle ``read`` takes, and how many of its steps ran the model eagerly."""
 
     def read(self, handle: Any) -> List[int]:
         """The tokens a launched step chose, one per sampled row (a launch: step-major, every row)."""
+
+    def read_logprobs(self, handle: Any) -> Optional[List[Tuple[float, List[Tuple[int, float]]]]]:
+        """After ``read``: per sampled row, its token's log-probability and the top ones (None: none computed)."""
 
 
 class PrefixHooks(Protocol):
@@ -151,8 +129,10 @@ class PrefixHooks(Protocol):
 
 
 class ServeLoop:
-    """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet) and
-    ``step()``; ``done`` holds each finished request's tokens by index."""
+    """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet),
+    ``step()``, ``add`` and ``abort``; ``done`` holds each finished request's tokens by index, ``produced`` the
+    requests that got tokens since it was last cleared and how many they had before (the online engine
+    reports them)."""
 
     def __init__(self, slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
                  counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
@@ -166,7 +146,8 @@ class ServeLoop:
         self.overlap = overlap and share is None and config.steps_per_launch == 1
         self.waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
         self.running: List[Request] = []
-        self.done: List[Optional[List[int]]] = [None] * len(requests)
+        self.done: Dict[int, List[int]] = {}
+        self.produced: Dict[int, Tuple[Request, int]] = {}  # by index: the request, its tokens before
         self.clock = 0  # steps launched
         self.pending: Optional[Tuple[StepWork, Any]] = None
 
@@ -182,7 +163,8 @@ class ServeLoop:
         if work is None:
             if self.pending is not None:
                 return self._take(self._pop_pending())
-            self._idle()
+            if self.waiting:
+                self._idle()
             return []
         handle, eager = self.executor.launch(work)
         self._count(work, eager)
@@ -192,6 +174,23 @@ class ServeLoop:
         if not self.overlap:
             finished += self._take(self._pop_pending())
         return finished
+
+    def add(self, request: Request) -> None:
+        """Queue ``request``, arrived now."""
+        request.arrival = self.clock
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """End ``request`` now (waiting, prefilling or decoding): its row and KV slots back to the pools at once
+        (a step in flight that carries it still runs on the device before any later step; its token is dropped)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            return
+        self._finish(request, FinishReason.ABORT)
 
     def close(self) -> None:
         """Every request row and KV slot still held back to the pools (on return, an exception or an interrupt)."""
@@ -208,7 +207,9 @@ class ServeLoop:
                and self._slots_left() >= config.slots_needed(waiting[0])):
             request = waiting.popleft()
             request.row = self.slots.take_row()
+            request.times.admitted = time.perf_counter()
             self.running.append(request)
+            self.executor.admit(request)
         self.counts.max_running = max(self.counts.max_running, len(self.running))
 
     def _idle(self) -> None:
@@ -228,7 +229,7 @@ class ServeLoop:
 
     def _schedule(self) -> Optional[StepWork]:
         """The next step's work, its slots assigned (None: nothing to run before a token is read)."""
-        limit = self.config.max_new_tokens
+        limit = self.config.limit
         decodes: List[Request] = []
         prefills: List[Request] = []
         if self.prefixes is not None:
@@ -236,7 +237,7 @@ class ServeLoop:
         for request in self.running:
             if request.cached < len(request.prompt):
                 prefills.append(request)
-            elif request.chosen < limit and not request.stopped:
+            elif request.chosen < limit(request) and not request.stopped:
                 decodes.append(request)
         if not decodes and not prefills:
             return None
@@ -315,35 +316,46 @@ class ServeLoop:
         tokens = self.executor.read(handle)
         if self.share is not None:
             tokens = self.share(tokens)
-        limit = self.config.max_new_tokens
+        limit = self.config.limit
         if work.steps > 1:
             rows = len(work.requests)
             for row, request in enumerate(work.requests):
                 for token in tokens[row::rows]:
-                    if request.stopped or len(request.output) >= limit:
+                    if request.stopped or len(request.output) >= limit(request) or request.finish_reason:
                         break
                     self._append(request, token)
                 request.chosen = len(request.output)
         else:
-            for position, token in zip(work.sampled, tokens):
+            logprobs = self.executor.read_logprobs(handle)
+            for index, (position, token) in enumerate(zip(work.sampled, tokens)):
                 request = work.requests[position]
-                if not request.stopped:
+                if not request.stopped and request.finish_reason is None:  # not ended, nor aborted since
                     self._append(request, token)
+                    if request.logprobs is not None:
+                        request.logprobs.append(logprobs[index])
         finished = [request for request in self.running
-                    if request.stopped or (len(request.output) >= limit and not request.in_flight)]
+                    if request.stopped or (len(request.output) >= limit(request) and not request.in_flight)]
         for request in finished:
             self.running.remove(request)
             if self.prefixes is not None:
                 self.prefixes.finish(request)
             self._release(request)
-            self.done[request.index] = request.output
+            self._finish(request, (FinishReason.EOS if request.output[-1] in request.eos else FinishReason.STOP)
+                         if request.stopped else FinishReason.LENGTH)
         return finished
 
-    @staticmethod
-    def _append(request: Request, token: int) -> None:
+    def _append(self, request: Request, token: int) -> None:
+        if not request.output:
+            request.times.first_token = time.perf_counter()
+        self.produced.setdefault(request.index, (request, len(request.output)))
         request.output.append(token)
         if token in request.stops:
             request.stopped = True
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        request.times.finished = time.perf_counter()
+        self.done[request.index] = request.output
 
     def _release(self, request: Request) -> None:
         if self.prefixes is not None:
@@ -380,9 +392,10 @@ def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request],
     try:
         while loop.busy:
             loop.step()
+            loop.produced.clear()
     finally:
         loop.close()
-    return loop.done
+    return [loop.done[request.index] for request in requests]
 
 
 __all__ = ["PrefixHooks", "Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
