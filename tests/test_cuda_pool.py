@@ -2,8 +2,8 @@
 
 PyTorch's caching allocator refuses a capture into a pool id whose graphs are all gone
 (``use_count > 0``), and a capture that failed can leave the allocator routing to its pool
-(``captures_underway``; torch <= 2.11) so that the next capture into that id and any
-``empty_cache()`` fail. Each scenario below ends with a graph-less or a failed pool, then needs
+(``captures_underway``; torch <= 2.11) so that the next capture into that id fails, and any
+``empty_cache()`` asserts (torch 2.7) or silently frees nothing of the default pools (from 2.8). Each scenario below ends with a graph-less or a failed pool, then needs
 the next capture to work: the largest key failing verification, a clean capture failure,
 ``retune()`` on a decode-only runner, a disabled last graph, ``wrap()`` dropping its only layout
 (item 3); a capture invalidated by a host read, whole and in pieces (item 4).
