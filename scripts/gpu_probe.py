@@ -28,7 +28,9 @@ Issue 33's rules:
   the first free memory (the stream's cuBLAS workspace, pytorch#175276: after 2.11) that the second
   still uses, and does clearing the workspaces around each capture (graphrt's remedy) prevent it?
 - ``capture_executes_nothing``: an output read between ``capture_end`` and the first replay.
-- ``empty_cache_during_capture``: ``torch.cuda.empty_cache()`` while a capture is under way.
+- ``empty_cache_during_capture``: ``torch.cuda.empty_cache()`` while a capture is under way: an
+  INTERNAL ASSERT up to torch 2.7; from 2.8 (pytorch#158152; the H200 session on 2.11) no error, a block
+  cached in the default pool stays reserved, and the capture ends and replays right.
 - ``segment_rounding``: the pool bytes a 7.8 MiB and a 1 KiB output reserve (20 MiB, 2 MiB), the
   default generator registered already.
 
@@ -77,6 +79,7 @@ from graphrt.backends.cuda_pool import (  # noqa: E402
     CAPTURE_ERROR_MODE, clear_cublas_workspaces, cublas_workspace_bytes, empty_capture, private_binding,
 )
 from graphrt.backends.op_graph import grouped_mm_fallback_reason  # noqa: E402
+from graphrt.backends.session import torch_release  # noqa: E402
 
 PROBE_TIMEOUT_S = 60  # one probe at most (each takes a second or two on a GPU)
 MIB = 1 << 20
@@ -288,19 +291,30 @@ def probe_cublas_workspace_in_pool() -> Dict[str, Any]:
 
 
 def probe_empty_cache_during_capture() -> Dict[str, Any]:
+    """Up to 2.7 an INTERNAL ASSERT (``synchronize_and_free_events``: ``captures_underway.empty()``); from 2.8
+    (pytorch#158152) no error and the default pools left as they are while a capture routes (a block cached
+    there stays reserved), the capture ending and replaying as if the call had not been made."""
+    cached = torch.empty(4 * MIB, dtype=torch.uint8, device=DEVICE)
+    del cached  # a block cached in the default pool: empty_cache() outside a capture would free it
+    torch.cuda.synchronize()
+    x = torch.ones(4, device=DEVICE)
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
-        try:
-            torch.cuda.empty_cache()
-            error = ""
-        except RuntimeError as caught:
-            error = str(caught).splitlines()[0]
-        try:
-            graph.capture_end()
-        except RuntimeError:
-            pass
-    return {"empty_cache_error": error, "agrees": bool(error)}
+        y = x * 2
+        reserved_before = torch.cuda.memory_reserved()
+        error = _error_of(torch.cuda.empty_cache)
+        reserved_after = torch.cuda.memory_reserved()
+        end_error = _error_of(graph.capture_end)
+    replay_error = "" if end_error else _error_of(graph.replay)
+    torch.cuda.synchronize()
+    replays_right = not (end_error or replay_error) and bool(torch.equal(y, x * 2))
+    expected_raise = torch_release() <= (2, 7)
+    kept = reserved_after >= reserved_before
+    agrees = bool(error) if expected_raise else (not error and kept and replays_right)
+    return {"empty_cache_error": error, "reserved_before": reserved_before, "reserved_after": reserved_after,
+            "capture_end_error": end_error, "replay_error": replay_error, "replays_right": replays_right,
+            "expected_raise": expected_raise, "agrees": agrees}
 
 
 def probe_segment_rounding() -> Dict[str, Any]:
@@ -404,7 +418,7 @@ PROBES: Dict[str, Callable[[], Dict[str, Any]]] = {
     "warmup_activations_reserved": probe_warmup_activations_reserved,
     "rng_after_invalidated_capture": probe_rng_after_invalidated_capture,
     "failed_capture_pool_released": probe_failed_capture_pool_released,
-    "empty_cache_during_capture": probe_empty_cache_during_capture,  # an allocator assertion on some releases
+    "empty_cache_during_capture": probe_empty_cache_during_capture,  # an allocator assertion up to torch 2.7
     "grouped_mm_fallback": probe_grouped_mm_fallback,  # leaves the default generator stuck where a capture fails
     "reset_frees_cublas_workspace": probe_reset_frees_cublas_workspace,  # after 2.11: a replay reads freed memory
 }

@@ -24,8 +24,9 @@ source it follows; they agree from 2.4 to 2.13 unless a ``TorchBehaviour`` says 
   abort) and at 0 makes the pool freeable. pytorch#190348 (merged upstream; backported to ROCm's
   2.11-2.13 branches) also releases a failed capture's reference.
 - A freeable pool stays in ``graph_pools`` under its id until ``empty_cache`` (``release_cached_blocks``)
-  finds none of its blocks in use; ``synchronize_and_free_events`` asserts ``captures_underway`` is
-  empty first (the crash pytorch#180395 reports).
+  finds none of its blocks in use. Up to 2.7 ``synchronize_and_free_events`` asserts ``captures_underway``
+  is empty first (the crash pytorch#180395 reports); from 2.8 (pytorch#158152; the H200 probe on 2.11)
+  ``empty_cache`` during a capture raises nothing and frees none of the default pools' blocks.
 - A host sync while a stream captures (``.item()``, ``torch.cuda.synchronize()``) raises and
   invalidates the capture (cudaErrorStreamCaptureUnsupported; cudaStreamCaptureMode).
 - ``torch.cuda.is_current_stream_capturing()`` is true for an active or an invalidated capture
@@ -341,7 +342,7 @@ class FakeCuda:
 
     def __init__(self, behaviour: TorchBehaviour) -> None:
         self.behaviour = behaviour
-        self.allocator = FakeAllocator()
+        self.allocator = FakeAllocator(behaviour.empty_cache_asserts_in_capture)
         self.uids = itertools.count(1)
         self.streams: List[FakeStream] = []
         self.default_stream = FakeStream(cuda=self, default=True)

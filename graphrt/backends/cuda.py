@@ -7,8 +7,9 @@ has the allocator's rules). Around every capture, what a real GPU needs and no C
 
 - one recording at a time in the process (``recording()``: ``capture_begin`` to ``capture_end``, with the
   synchronize and cache emptying before it): up to torch 2.11 the default generator's capture flag is
-  process-wide, so a second capture would break the first one's random numbers, and a session's
-  device-wide ``synchronize()``/``empty_cache()`` would break a capture under way. On such a torch
+  process-wide, so a second capture would break the first one's random numbers; a session's
+  device-wide ``synchronize()`` would break a capture under way, and its ``empty_cache()`` would free
+  nothing of the default pools while one is (from torch 2.8 silently, pytorch#158152; up to 2.7 an assertion). On such a torch
   graphrt's steps, and a session's warm-ups, compile runs and verification, share the lock, so they
   wait for another thread's recording only, never for its warm-ups or compile runs
   (graphrt/backends/session.py);

@@ -12,8 +12,10 @@ recording would reset the first one's offsets. pytorch#176752 (after 2.11) keeps
 
 So ``RECORDING_LOCK`` is a readers-writer lock. A CUDA recording (``capture_begin`` to ``capture_end``,
 with the synchronize and cache emptying just before it) holds it alone (``recording()``), and so do a
-capture session's device-wide ``synchronize()``/``empty_cache()`` (``empty_cache`` during another
-thread's recording is an allocator assertion). On a torch whose generator flag is the process's, every
+capture session's device-wide ``synchronize()``/``empty_cache()``: a device sync during another thread's
+recording breaks it, and ``empty_cache`` then frees nothing of the default pools (an INTERNAL ASSERT up to
+torch 2.7; from 2.8 it skips them silently while any capture routes, pytorch#158152), so the session would
+capture on top of the memory it meant to free. On a torch whose generator flag is the process's, every
 graphrt step (a replay or an eager run of the model) shares it (``step_lock``), and so does a capture
 session's eager work (warm-ups, compile runs, verification: ``no_recording``): a step waits for
 another thread's recording, never for its warm-ups or compile runs, and steps of several threads run
