@@ -145,7 +145,7 @@ def nothing_left_active():
 
     from graphrt.backends import session
     from graphrt.guards import epoch
-    from graphrt.guards.python_state import torch_settings
+    from graphrt.guards.torch_settings import torch_settings
 
     tracer, profiler, settings = sys.gettrace(), sys.getprofile(), torch_settings()
     yield

@@ -17,6 +17,7 @@ from torch import nn
 
 from graphrt import GraphRunner
 from graphrt.guards import StaleStateError
+from graphrt.guards.torch_settings import FP32_PRECISION as FP32_PRECISION_NAMES
 
 
 class DropoutModel(ToyPagedModel):
@@ -160,14 +161,15 @@ class ZerosModel(ToyPagedModel):
 SETTINGS = {  # a setting torch.compile's global-state guard also reads: (change it, put it back, named as)
     "default dtype": (lambda: torch.set_default_dtype(torch.float64), lambda: torch.set_default_dtype(torch.float32),
                       "default dtype"),
-    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("high"),
-                                 lambda: torch.set_float32_matmul_precision("highest"), "float32 matmul precision"),
+    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("high"), lambda: None,
+                                 "torch.backends.cuda.matmul.fp32_precision"),
     "deterministic algorithms": (lambda: torch.use_deterministic_algorithms(True),
                                  lambda: torch.use_deterministic_algorithms(False), "deterministic algorithms"),
-    # torch sets the float32 matmul precision with it ("high"), named first
-    "allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
-                   lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False), "float32 matmul precision"),
+    # torch stores both as the CUDA matmul's fp32 precision (torch >= 2.9)
+    "allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True), lambda: None,
+                   "torch.backends.cuda.matmul.fp32_precision"),
 }
+FP32_PRECISION = [pair for pair, _ in FP32_PRECISION_NAMES]  # torch's store: the legacy setters write it too
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -178,12 +180,15 @@ def test_a_torch_setting_changed_after_capture_runs_eagerly_until_it_is_back(set
     runner = captured_runner(model)
     reference = copy.deepcopy(model)
     batch = decode_batch(4)
+    precision = {pair: torch._C._get_fp32_precision_getter(*pair) for pair in FP32_PRECISION}
     change()
     try:
         with torch.no_grad():
             out, expected = runner(batch), eager_step(reference, batch)
     finally:
         restore()
+        for pair, value in precision.items():  # as it was, "none" included
+            torch._C._set_fp32_precision_setter(*pair, value)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
     stats = runner.stats()
     assert stats["eager_reasons"] == {"python_state": 1} and stats["graph_runs"] == 0

@@ -8,8 +8,8 @@ on every call would cost O(model depth); instead graphrt patches the APIs that c
 forward hook registration and ``RemovableHandle.remove`` (module and global), the containers'
 mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), ``__setattr__``
 of the plain classes whose objects a guard reads through (``watch_class``), and the setters of
-torch's global settings (``torch.set_default_dtype``, ``set_float32_matmul_precision``, ...)), so a key re-reads its
-state only after the epoch moved: one integer compare per call otherwise.
+torch's global settings (graphrt.guards.torch_settings)), so a key re-reads its state only after the epoch moved:
+one integer compare per call otherwise.
 
 While an ``AssignmentJournal`` is active (a step being captured), the same patches report every
 attribute assignment to it before it happens (graphrt.guards.assignments).
@@ -36,6 +36,8 @@ from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Set
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from graphrt.guards.torch_settings import patch_setters
 
 # The epoch (a list: one cell, read by index on every call): a new value from ``_tickets`` after every
 # change, never one it held before (two threads bumping at once cannot bring an old value back).
@@ -67,7 +69,7 @@ CHANGES: List[Change] = []
 ALL = Aspect("ALL")  # the whole object may have changed (``_apply``, a container mutator, an adapter's API)
 HOOKS = Aspect("HOOKS")  # a forward hook registered or removed (the id: the module, or the hook dict it was in)
 TRAINING = "training"  # ``train()``/``eval()``: the attribute it sets
-SETTINGS = -2  # the id of torch's global settings (graphrt.guards.python_state.torch_settings)
+SETTINGS = -2  # the id of torch's global settings (graphrt.guards.torch_settings)
 GLOBAL_HOOKS = -3  # the id of the global forward hooks (register_module_forward_hook)
 MAX_CHANGES = 4096  # past this, the older half is dropped; a key that had not read it reads everything
 _changes_base = [0]  # how many changes were dropped from the front of CHANGES
@@ -93,9 +95,6 @@ CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict, tor
 # Module methods that bump, and the aspect of the module they change.
 MODULE_METHODS = {"train": TRAINING, "_apply": ALL, "register_forward_hook": HOOKS, "register_forward_pre_hook": HOOKS}
 GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook")
-# torch's global settings a step computes under (graphrt.guards.python_state.torch_settings): their setters bump.
-SETTING_FUNCTIONS = ("set_default_dtype", "set_default_tensor_type", "set_default_device",
-                     "set_float32_matmul_precision", "use_deterministic_algorithms")
 _watched_classes: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
@@ -264,10 +263,7 @@ def install() -> None:
     for name in GLOBAL_HOOK_FUNCTIONS:
         setattr(hooks, name, _bumping(getattr(hooks, name), HOOKS, GLOBAL_HOOKS))
     RemovableHandle.remove = _removing(RemovableHandle.remove)  # type: ignore[method-assign]
-    for name in SETTING_FUNCTIONS:
-        setattr(torch, name, _bumping(getattr(torch, name), ALL, SETTINGS))
-    matmul = type(torch.backends.cuda.matmul)  # torch.backends.cuda.matmul.allow_tf32 = ...
-    matmul.__setattr__ = _bumping(matmul.__setattr__, ALL, SETTINGS)  # type: ignore[method-assign]
+    patch_setters(lambda setter: _bumping(setter, ALL, SETTINGS))
 
     def registered(module: torch.nn.Module, name: str, *_: Any) -> None:  # register_parameter/buffer/module
         _assigned(module, name)

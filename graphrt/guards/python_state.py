@@ -20,6 +20,7 @@ import torch
 
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import GLOBAL_HOOKS, HOOKS, SETTINGS, TRAINING, Change as Changed, watch
+from graphrt.guards.torch_settings import torch_settings
 from graphrt.layout.tensor_tree import is_plain_constant
 
 # A module's own bookkeeping (its tables and hook dicts), compared through ``module_state``'s
@@ -161,17 +162,6 @@ class _Object:
         value = vars(self.obj).get(aspect, _REF)
         return (value is _REF and aspect not in self.entries) or (
             value is not _REF and frozen(value, keep) == self.entries.get(aspect, _REF))
-
-
-def torch_settings() -> Tuple[Tuple[str, Any], ...]:
-    """torch's global settings a step computes under (torch.compile's global-state guard reads them too):
-    the default dtype and device a factory call without them uses, the float32 matmul precision and TF32,
-    deterministic algorithms. A graph keeps what they were at capture."""
-    return (("default dtype", torch.get_default_dtype()), ("default device", str(torch.get_default_device())),
-            ("float32 matmul precision", torch.get_float32_matmul_precision()),
-            ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32),
-            ("deterministic algorithms", (torch.are_deterministic_algorithms_enabled(),
-                                          torch.is_deterministic_algorithms_warn_only_enabled())))
 
 
 class PythonState:
