@@ -11,7 +11,9 @@ wrapped object. Checked on every call that would replay the key, in this order:
    of the links it reached its tensors and modules through (graphrt.guards.python_state,
    graphrt.guards.bindings): one attribute assigned costs one attribute's re-read, whatever the depth;
 3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
-   step's own code reads, the lists and dicts it reached tensors or modules through;
+   step's own code reads, the lists and dicts it reached tensors or modules through; and the dicts it
+   reads in place by version (graphrt.guards.in_place): the class dicts of the lookups through classes
+   it made (graphrt.guards.class_state);
 4. aliasing, only for a step that writes memory: no staged argument shares memory with another
    when the step writes one of its inputs, nor with state the step reads or writes (a replay
    reads each argument from its own static slot, where eager would see the write through the alias).
@@ -22,6 +24,7 @@ call eagerly with that reason, or, for ``wrap()``, gives it graphs of its own.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -31,8 +34,10 @@ import torch
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.bindings import Bindings, find_bindings
+from graphrt.guards.class_state import class_reads, step_lookups
 from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
+from graphrt.guards.in_place import Versioned
 from graphrt.guards.live_checks import Same, global_checks
 from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
 from graphrt.guards.python_state import PythonState
@@ -95,7 +100,7 @@ class KeyGuard:
     state: Any  # the StateWatch token at capture
     bindings: Bindings
     python: PythonState
-    live: Tuple[Same, ...]  # compared on every call
+    live: Tuple[Any, ...]  # compared on every call: Same, Versioned
     touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
@@ -103,7 +108,12 @@ class KeyGuard:
     position: int  # where the changes after that begin (graphrt.guards.epoch.changes_since)
 
     def __post_init__(self) -> None:
-        self._holds = tuple(check.check() for check in self.live)  # bound once: one call per check per call
+        # bound once: one call per check per call, and one tuple compare for all that compare two objects
+        pairs = [check.equality() for check in self.live]
+        equal = [pair for pair in pairs if pair is not None]
+        self._holds = (*([functools.partial(operator.eq, tuple(live for live, _ in equal),
+                                            tuple(expected for _, expected in equal))] if equal else []),
+                       *(check.check() for check, pair in zip(self.live, pairs) if pair is None))
 
     @classmethod
     def capture(cls, spec: GuardSpec, observation: Optional[Observation], touched: Set[int], written: Set[int],
@@ -131,8 +141,9 @@ class KeyGuard:
         unwatched = [Same.items(vars(obj), list(vars(obj)), [f"{name}.{key}" for key in vars(obj)])
                      for name, obj in plain_objects if not watch_class(type(obj)) and vars(obj)]
         functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
+        in_place = Versioned(class_reads(step_lookups(observation)))
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
-                *bindings.live, *unwatched)
+                *bindings.live, *unwatched, *([in_place] if in_place else []))
         watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
@@ -149,12 +160,27 @@ class KeyGuard:
             failure = self.state_failure()
             if failure is not None:
                 return failure
-        for holds in self._holds:
-            if not holds():
-                return next(GuardFailure(*check.change()) for check in self.live if not check.holds())
+        held = True
+        try:
+            for holds in self._holds:
+                if not holds():
+                    held = False
+                    break
+        except RuntimeError:  # a tensor put where a plain value was: its == raised
+            held = False
+        if not held:  # changed, or (a dict compared by copy) written with what it held
+            failure = next((GuardFailure(*check.change()) for check in self.live if not check.holds()), None)
+            if failure is not None:
+                return failure
         if self.check_aliases:
             tensors = sources(call)
-            if self.check_pairs or self._shares_state(tensors):
+            shares, touched = self.check_pairs, self.touched
+            if not shares:  # whether a staged tensor's memory is state the step reads or writes (inline: per call)
+                for tensor in tensors:
+                    if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                        shares = True
+                        break
+            if shares:
                 failure = self._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None])
                 if failure is not None:
                     return failure
@@ -177,21 +203,12 @@ class KeyGuard:
     def holds_now(self) -> bool:
         """Whether the Python state of now is this key's (its state read again, its live checks),
         the call's tensors aside: a front looking for graphs of the state it is back in."""
-        return self.state_failure() is None and all(holds() for holds in self._holds)
+        return self.state_failure() is None and all(check.holds() for check in self.live)
 
     def reads_grad(self) -> bool:
         """Whether a tensor the step read through its bindings requires grad now (grad-mode calls:
         ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
         return any(map(_requires_grad, self.bindings.tensors))
-
-    def _shares_state(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Whether a staged tensor's memory is state the step reads or writes (a loop that stops at
-        the first: no list built on the common path)."""
-        touched = self.touched
-        for tensor in tensors:
-            if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
-                return True
-        return False
 
     def _aliased(self, memory: List[int]) -> Optional[GuardFailure]:
         """Why staged tensors at ``memory`` (their storages' addresses) cannot be staged apart, else None."""

@@ -18,7 +18,7 @@ import sys
 import sysconfig
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -55,6 +55,14 @@ class Observation:
     bound: Set[Tuple[int, str]] = field(default_factory=set)  # the globals the step rebound
     # torch.compile'd callables the step called, however reached: (OptimizeContext, the compiled callable)
     compiled_calls: List[Tuple[Any, Any]] = field(default_factory=list)
+    # per module class, the methods that ran on a module of it (what they read through self: graphrt.guards.reads)
+    self_codes: Dict[type, Set[types.CodeType]] = field(default_factory=dict)
+    # the lines that ran, per method and per function of user code (None: not traced, under a debugger's tracer)
+    lines: Optional[Dict[types.CodeType, Set[int]]] = None
+
+    def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
+        """The lines of ``code`` that ran, or None when they were not traced (any may have)."""
+        return None if self.lines is None else self.lines.get(code, set())
 
     def ran(self, code: types.CodeType) -> bool:
         return code in self.ran_codes
@@ -68,13 +76,12 @@ class Observation:
 
     def globals_read(self) -> List[Tuple[Dict[str, Any], Tuple[str, ...]]]:
         """Per globals dict of the user code that ran, the names its code loads that are bound
-        there to data (not a Python module or a class: a rebound class leaves made objects alone),
-        but for those the step binds itself before reading them (a forward context set by the step:
-        its value before the call is not read)."""
+        there to data or a class (not a Python module), but for those the step binds itself before
+        reading them (a forward context set by the step: its value before the call is not read)."""
         names: Dict[int, Tuple[Dict[str, Any], Set[str]]] = {}
         for code, scope in self.codes.items():
             loaded = {name for name in _global_loads(code) if name in scope and not isinstance(
-                scope[name], (types.ModuleType, type)) and not self._bound_by_step(scope, name)}
+                scope[name], types.ModuleType) and not self._bound_by_step(scope, name)}
             if loaded:
                 names.setdefault(id(scope), (scope, set()))[1].update(loaded)
         return [(scope, tuple(sorted(loaded))) for scope, loaded in names.values()]
@@ -110,7 +117,8 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         return _observe_modules(step)
     observation = Observation()
     seen: Set[int] = set()
-    modules, codes, all_codes = observation.modules, observation.codes, observation.ran_codes
+    modules, codes, all_codes, self_codes = (observation.modules, observation.codes, observation.ran_codes,
+                                             observation.self_codes)
     compile_wrappers, compiled_calls = compile_wrapper_codes(), observation.compiled_calls
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -127,9 +135,11 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
                     codes[code] = frame.f_globals
             if code is _CALL_IMPL or code.co_argcount and code.co_varnames[0] == "self":
                 module = frame.f_locals.get("self")
-                if isinstance(module, torch.nn.Module) and id(module) not in seen:
-                    seen.add(id(module))
-                    modules.append(module)
+                if isinstance(module, torch.nn.Module):
+                    self_codes.setdefault(type(module), set()).add(code)
+                    if id(module) not in seen:
+                        seen.add(id(module))
+                        modules.append(module)
         if outer is not None:
             outer(frame, event, arg)
 
@@ -152,29 +162,41 @@ class GlobalUses:
     """A tracer of the user code's global loads and stores, opcode by opcode, in the order they run:
     a global the step stores before it reads it (a forward context the step sets) is no input of
     the step; one it reads and then rebinds (a counter) is Python state a replay would not change.
-    Only frames of user code are traced opcode by opcode, and only during the observed run."""
+    Only frames of user code are traced opcode by opcode, and only during the observed run. It notes
+    the lines that ran of user code and of every method (what a replay froze is what those lines read:
+    graphrt.guards.reads)."""
 
     def __init__(self, observation: Observation) -> None:
         self.observation = observation
+        observation.lines = self._lines = {}
         self._uses: Dict[types.CodeType, Dict[int, Tuple[str, bool]]] = {}
 
     def trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or not is_user_file(frame.f_code.co_filename):
+        if event != "call":
             return None
         code = frame.f_code
+        if not is_user_file(code.co_filename):
+            return self._line if code.co_argcount and code.co_varnames[0] == "self" else None
         uses = self._uses.get(code)
         if uses is None:
             uses = self._uses[code] = _global_uses(code)
         if not uses:
-            return None
+            return self._line
         frame.f_trace_opcodes = True
         return self._opcode
+
+    def _line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self._lines.setdefault(frame.f_code, set()).add(frame.f_lineno)
+        return self._line
 
     def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
             use = self._uses[frame.f_code].get(frame.f_lasti)
             if use is not None:
                 self.observation.note_global_use(frame.f_globals, *use)
+        elif event == "line":
+            self._lines.setdefault(frame.f_code, set()).add(frame.f_lineno)
         return self._opcode
 
 
