@@ -107,6 +107,19 @@ def captured_runner(model, **options):
     return runner
 
 
+def calls(fast, *args, times=3, **kwargs):
+    """``times`` calls of a wrapped callable (warm-up, recording, replay by default); the last result."""
+    result = None
+    for _ in range(times):
+        result = fast(*args, **kwargs)
+    return result
+
+
+def failures(fast):
+    """A front's guard failures, in one string."""
+    return " | ".join(fast.stats()["guard_failures"])
+
+
 def eager_step(model, batch):
     """``model`` on ``batch`` eagerly, as a runner's eager path calls it."""
     with torch.no_grad():

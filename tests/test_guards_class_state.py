@@ -13,21 +13,10 @@ import copy
 
 import pytest
 import torch
-from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
+from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
 from torch import nn
 
 from graphrt import wrap
-
-
-def calls(fast, *args, times=3):
-    result = None
-    for _ in range(times):
-        result = fast(*args)
-    return result
-
-
-def failures(fast):
-    return " | ".join(fast.stats()["guard_failures"])
 
 
 def test_a_class_attribute_read_through_self_is_guarded():

@@ -18,22 +18,10 @@ import threading
 
 import pytest
 import torch
-from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
+from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
 from torch import nn
 
 from graphrt import GraphRunner, wrap
-
-
-def calls(fast, *args, times=3, **kwargs):
-    """``times`` calls (warm-up, recording, replay by default); the last result."""
-    result = None
-    for _ in range(times):
-        result = fast(*args, **kwargs)
-    return result
-
-
-def failures(fast):
-    return " | ".join(fast.stats()["guard_failures"])
 
 
 class Tempered(nn.Module):

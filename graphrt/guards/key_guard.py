@@ -37,10 +37,11 @@ from graphrt.guards.bindings import Bindings, find_bindings
 from graphrt.guards.class_state import class_reads, step_lookups
 from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
-from graphrt.guards.in_place import Versioned
+from graphrt.guards.in_place import Contents, Versioned
 from graphrt.guards.live_checks import Same, global_checks
 from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
 from graphrt.guards.python_state import PythonState
+from graphrt.guards.read_objects import step_reads
 
 # The caller's tensors a call stages (None where an optional field is unset), read from the call.
 Sources = Callable[[Any], Sequence[Optional[torch.Tensor]]]
@@ -136,14 +137,19 @@ class KeyGuard:
                          if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__")]
         ran = {id(module) for module in modules}
         holders = [module for module in bindings.modules if id(module) not in ran]  # a ModuleList the step iterated
-        python = PythonState([*modules, *holders], [(name, obj) for name, obj in plain_objects if watch_class(type(obj))],
-                             [*objects, *entry, *values])
-        unwatched = [Same.items(vars(obj), list(vars(obj)), [f"{name}.{key}" for key in vars(obj)])
-                     for name, obj in plain_objects if not watch_class(type(obj)) and vars(obj)]
         functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
-        in_place = Versioned(class_reads(step_lookups(observation)))
+        reads = step_reads(observation, plain_objects, entry, spec.fn, functions)
+        read_objects = [*plain_objects, *reads.objects]
+        python = PythonState([*modules, *holders, *reads.submodules],
+                             [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
+                             [*objects, *entry, *values])
+        # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
+        # and the attributes of objects whose class cannot tell of an assignment (a C type)
+        in_place = Versioned([*class_reads(step_lookups(observation)),
+                              *(Contents(container, path) for path, container in reads.containers),
+                              *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj)))])
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
-                *bindings.live, *unwatched, *([in_place] if in_place else []))
+                *bindings.live, *([in_place] if in_place else []))
         watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)

@@ -263,9 +263,9 @@ def _attributes_change(path: str, captured: Tuple[Any, ...], now: Tuple[Any, ...
     for name in {**before, **after}:
         if before.get(name, _REF) != after.get(name, _REF):
             then, value = before.get(name, "<unset>"), after.get(name, "<unset>")
-            if _is_ref(then) or _is_ref(value):
+            if is_reference(then) or is_reference(value):
                 return "python_state", f"{path}.{name} is bound to another object than at capture"
-            return "python_state", f"{path}.{name} {_show(then)} -> {_show(value)}"
+            return "python_state", f"{path}.{name} {shown(then)} -> {shown(value)}"
     return "python_state", f"{path}: its attributes changed"
 
 
@@ -292,11 +292,13 @@ def _keys_change(captured: Tuple[Any, ...], now: Tuple[Any, ...]) -> str:
     return "; ".join(words) or "reordered"
 
 
-def _is_ref(value: Any) -> bool:
+def is_reference(value: Any) -> bool:
+    """Whether a frozen value is an object compared by identity (not a plain value)."""
     return isinstance(value, tuple) and len(value) == 2 and value[0] is _REF
 
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A frozen plain value in words."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
         return repr(_thaw(value))
     return repr(value)

@@ -5,7 +5,7 @@ A replay runs none of the step's Python, so what a lookup found at capture is fr
 found on the class (``MyAttention.softmax_scale``), ``self.forward`` patched on the class, ``self.config``
 (an object changed in place), ``Settings.temperature`` (a class read as a global). The guards read the
 names from the code objects that ran (graphrt.guards.observe): ``self.name``, ``self.__class__.name`` and
-``type(self).name`` per method, ``GLOBAL.name`` per function, as torch.compile builds a guard per
+``type(self).name`` per method, ``self.name.attribute``, ``GLOBAL.name`` per function, as torch.compile builds a guard per
 attribute source it traced. A read the bytecode cannot name (``getattr(self, name)`` with a computed
 name) is not seen.
 """
@@ -21,14 +21,19 @@ _TRANSPARENT = frozenset({"CACHE", "PRECALL", "NOP", "EXTENDED_ARG", "PUSH_NULL"
                           "RESUME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _LOCAL_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
-Read = Tuple[Optional[int], str]  # (line, name)
-_scans: Dict[types.CodeType, Tuple[List[Read], List[Tuple[Optional[int], str, str]]]] = {}
+Pair = Tuple[Optional[int], str, str]  # (line, owner, name): GLOBAL.name, self.owner.name
+_scans: Dict[types.CodeType, Tuple[List[Tuple[Optional[int], str]], List[Pair], List[Pair]]] = {}
 
 
 def self_attributes(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[str]:
     """The attribute names ``code`` (a method: its first argument is the object) loads from its first
     argument, from ``self.__class__`` and from ``type(self)``; ``lines``: only on those (the lines that ran)."""
     return {name for line, name in _scan(code)[0] if lines is None or line in lines}
+
+
+def self_chains(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[Tuple[str, str]]:
+    """``(name, attribute)`` for every ``self.name.attribute`` load in ``code`` (``self.config.softcap``)."""
+    return {(owner, name) for line, owner, name in _scan(code)[2] if lines is None or line in lines}
 
 
 def global_attributes(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[Tuple[str, str]]:
@@ -44,15 +49,17 @@ def _loads_first_argument(instruction: dis.Instruction, first: Optional[str]) ->
     return value == first or isinstance(value, tuple) and value[-1] == first  # LOAD_FAST_LOAD_FAST (3.13)
 
 
-def _scan(code: types.CodeType) -> Tuple[List[Read], List[Tuple[Optional[int], str, str]]]:
+def _scan(code: types.CodeType) -> Tuple[List[Tuple[Optional[int], str]], List[Pair], List[Pair]]:
     scanned = _scans.get(code)
     if scanned is not None:
         return scanned
     first = code.co_varnames[0] if code.co_argcount else None
-    through_self: List[Read] = []
-    through_globals: List[Tuple[Optional[int], str, str]] = []
+    through_self: List[Tuple[Optional[int], str]] = []
+    through_globals: List[Pair] = []
+    chains: List[Pair] = []
     state: Optional[str] = None  # what the next attribute load applies to: "self", "class", "type(", "type(self"
     global_name: Optional[str] = None
+    owner: Optional[str] = None  # the attribute of self just loaded (self.owner.name)
     for instruction in dis.get_instructions(code):
         opname = instruction.opname
         if opname in _TRANSPARENT:
@@ -62,14 +69,18 @@ def _scan(code: types.CodeType) -> Tuple[List[Read], List[Tuple[Optional[int], s
             if state == "self" and name == "__class__":
                 state = "class"
                 continue
+            loaded_owner, owner = owner, None
             if state in ("self", "class"):
                 through_self.append((line, name))
+                owner = name if state == "self" else None
             elif global_name is not None:
                 through_globals.append((line, global_name, name))
+            elif loaded_owner is not None:
+                chains.append((line, loaded_owner, name))
             state, global_name = None, None
             continue
         next_state: Optional[str] = None
-        global_name = None
+        global_name, owner = None, None
         if _loads_first_argument(instruction, first):
             next_state = "type(self" if state == "type(" else "self"
         elif opname == "LOAD_GLOBAL":
@@ -80,6 +91,6 @@ def _scan(code: types.CodeType) -> Tuple[List[Read], List[Tuple[Optional[int], s
         state = next_state
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):  # comprehensions and nested functions: their global loads
-            through_globals += [(None, owner, name) for _, owner, name in _scan(constant)[1]]
-    scanned = _scans[code] = (through_self, through_globals)
+            through_globals += [(None, outer, name) for _, outer, name in _scan(constant)[1]]
+    scanned = _scans[code] = (through_self, through_globals, chains)
     return scanned
