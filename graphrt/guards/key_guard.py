@@ -35,6 +35,7 @@ from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.bindings import Bindings, find_bindings
 from graphrt.guards.class_state import class_reads, step_lookups
+from graphrt.guards.context_reads import ContextVariables, Environment, ThreadLocal
 from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
 from graphrt.guards.in_place import Contents, Versioned
@@ -101,7 +102,7 @@ class KeyGuard:
     state: Any  # the StateWatch token at capture
     bindings: Bindings
     python: PythonState
-    live: Tuple[Any, ...]  # compared on every call: Same, Versioned
+    live: Tuple[Any, ...]  # compared on every call: Same, Versioned, ContextVariables, ThreadLocal
     touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
@@ -147,9 +148,12 @@ class KeyGuard:
         # and the attributes of objects whose class cannot tell of an assignment (a C type)
         in_place = Versioned([*class_reads(step_lookups(observation)),
                               *(Contents(container, path) for path, container in reads.containers),
-                              *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj)))])
+                              *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj))),
+                              *([Environment(observation.environment)] if observation.environment else [])])
+        context = ContextVariables(observation.context_variables)
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
-                *bindings.live, *([in_place] if in_place else []))
+                *bindings.live, *([in_place] if in_place else []), *([context] if context else []),
+                *(ThreadLocal(local, path) for path, local in reads.thread_locals))
         watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)

@@ -10,6 +10,8 @@ objects through which a later call reaches those modules, whose bindings the gua
 
 from __future__ import annotations
 
+import collections.abc
+import contextvars
 import dis
 import functools
 import logging
@@ -24,9 +26,12 @@ import torch
 
 from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
+from graphrt.guards.reads import global_attributes
 from graphrt.layout.rebind_guard import RebindError
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_ENVIRON_GETITEM = os._Environ.__getitem__.__code__  # type: ignore[attr-defined]
+_ENVIRON_FILES = (os.__file__, collections.abc.Mapping.get.__code__.co_filename)  # between a read and its caller
 # Installed libraries and the standard library: their module globals are frozen at capture, like
 # torch's (a per-call check of every global transformers reads would cost more than it could catch).
 _LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.realpath(path), "") for name in ("stdlib", "platstdlib", "purelib",
@@ -59,6 +64,9 @@ class Observation:
     self_codes: Dict[type, Set[types.CodeType]] = field(default_factory=dict)
     # the lines that ran, per method and per function of user code (None: not traced, under a debugger's tracer)
     lines: Optional[Dict[types.CodeType, Set[int]]] = None
+    # the context variables the model's own code read (ContextVar.get) and the environment variables read
+    context_variables: List[contextvars.ContextVar] = field(default_factory=list)
+    environment: Set[str] = field(default_factory=set)
 
     def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
         """The lines of ``code`` that ran, or None when they were not traced (any may have)."""
@@ -119,6 +127,7 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
     seen: Set[int] = set()
     modules, codes, all_codes, self_codes = (observation.modules, observation.codes, observation.ran_codes,
                                              observation.self_codes)
+    context_variables, environment = observation.context_variables, observation.environment
     compile_wrappers, compiled_calls = compile_wrapper_codes(), observation.compiled_calls
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -140,6 +149,12 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
                     if id(module) not in seen:
                         seen.add(id(module))
                         modules.append(module)
+                elif code is _ENVIRON_GETITEM and _read_by_user_code(frame):  # os.environ[...], .get, os.getenv
+                    environment.add(frame.f_locals.get("key"))
+        elif event == "c_call" and type(getattr(arg, "__self__", None)) is contextvars.ContextVar and (
+                arg.__name__ == "get" and is_user_file(frame.f_code.co_filename)):
+            if not any(arg.__self__ is variable for variable in context_variables):
+                context_variables.append(arg.__self__)
         if outer is not None:
             outer(frame, event, arg)
 
@@ -155,7 +170,38 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         sys.setprofile(outer)
     observation.bound = {key for key, (scope, name, before, _) in observation.global_uses.items()
                          if scope.get(name, _MISSING) is not before}
+    _include_cached_functions(observation)
     return result, observation
+
+
+def _read_by_user_code(frame: types.FrameType) -> bool:
+    """Whether the model's own code made this read of ``os.environ`` (through ``get``, ``getenv``, ``in``):
+    a library's reads are frozen like its globals."""
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename in _ENVIRON_FILES:
+        caller = caller.f_back
+    return caller is not None and is_user_file(caller.f_code.co_filename)
+
+
+def _include_cached_functions(observation: Observation) -> None:
+    """The model's own ``functools.lru_cache``'d functions the step's code calls, as code whose globals it
+    reads: a cache hit runs none of their Python, so the observed run may not have seen them (torch.compile
+    traces through the cache wrapper likewise); a global they read changed (after ``cache_clear()``) is a
+    change of the step's."""
+    pending = list(observation.codes.items())
+    while pending:
+        code, scope = pending.pop()
+        names = {*_global_loads(code), *(f"{owner}.{name}" for owner, name in global_attributes(code))}
+        for name in names:
+            owner, _, attribute = name.partition(".")
+            value = scope.get(owner, _MISSING)
+            if attribute:
+                value = getattr(value, attribute, _MISSING) if isinstance(value, types.ModuleType) else _MISSING
+            wrapped = getattr(value, "__wrapped__", None) if hasattr(value, "cache_clear") else None
+            if isinstance(wrapped, types.FunctionType) and is_user_file(wrapped.__code__.co_filename) and (
+                    wrapped.__code__ not in observation.codes):
+                observation.codes[wrapped.__code__] = wrapped.__globals__
+                pending.append((wrapped.__code__, wrapped.__globals__))
 
 
 class GlobalUses:

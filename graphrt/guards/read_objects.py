@@ -14,6 +14,7 @@ attribute), containers are compared per call (graphrt.guards.in_place).
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Set, Tuple
@@ -36,6 +37,7 @@ class Reads:
     objects: List[Tuple[str, Any]] = field(default_factory=list)  # plain objects
     containers: List[Tuple[str, Any]] = field(default_factory=list)  # dicts, lists, sets read in place
     submodules: List[torch.nn.Module] = field(default_factory=list)  # read without being called
+    thread_locals: List[Tuple[str, threading.local]] = field(default_factory=list)  # read as this thread sees them
     _seen: Set[int] = field(default_factory=set)
 
     def add(self, path: str, value: Any, depth: int = 0, containers: bool = True) -> None:
@@ -46,6 +48,9 @@ class Reads:
         if isinstance(value, CONTAINERS):
             self._seen.add(id(value))
             self.containers.append((path, value))
+        elif isinstance(value, threading.local):
+            self._seen.add(id(value))
+            self.thread_locals.append((path, value))
         elif is_plain_object(value):
             self._seen.add(id(value))
             self.objects.append((path, value))
