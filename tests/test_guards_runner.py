@@ -125,15 +125,21 @@ def test_a_field_sharing_memory_with_written_state_runs_eagerly():
     assert runner.stats()["eager_reasons"] == {"aliased_inputs": 1}
 
 
-def test_debug_mode_names_a_parameter_whose_memory_was_swapped():
-    """cudagraph trees test_unstable_ptr: ``.data`` swapped after capture; a CUDA graph reads the old memory."""
+def test_a_parameter_whose_memory_was_swapped_runs_eagerly_and_debug_names_a_swap_no_api_told_of():
+    """cudagraph trees test_unstable_ptr: ``.data`` swapped after capture; a CUDA graph reads the old memory.
+    The swap is seen (issue 49): eager, ``module_moved``. A swap past every Python API (torch's C method
+    itself) is seen by debug mode's per-call storage check."""
     model = ToyPagedModel()
     runner = captured_runner(model, debug=True)
     model.proj.data = torch.randn_like(model.proj)
-    with pytest.raises(StaleStateError, match="ToyPagedModel.proj"):
-        runner(decode_batch(4))
+    assert torch.equal(runner(decode_batch(4)), eager_step(copy.deepcopy(model), decode_batch(4)))
+    assert runner.stats()["eager_reasons"] == {"module_moved": 1}
     runner.recapture()
     assert torch.equal(runner(decode_batch(4)).clone(), eager_step(copy.deepcopy(model), decode_batch(4)))
+    with torch.no_grad():
+        torch._C.TensorBase.set_(model.proj, torch.randn_like(model.proj))
+    with pytest.raises(StaleStateError, match="ToyPagedModel.proj"):
+        runner(decode_batch(4))
 
 
 def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphrt.backends.source_lines import SourceLine, model_source_line
-from graphrt.backends.state_journal import allocated_storages, storage_key
+from graphrt.backends.state_journal import allocated_storages, has_storage, storage_key
 
 Storage = Tuple[torch.device, int]
 _aten = torch.ops.aten
@@ -65,7 +65,7 @@ class OutsideReads(TorchDispatchMode):
         if func in _LIFTS:
             self._fresh.update(storage_key(leaf) for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor))
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.numel():
+            if isinstance(leaf, torch.Tensor) and leaf.numel() and has_storage(leaf):  # a sparse tensor: its parts
                 key = storage_key(leaf)
                 if key not in self._fresh and key not in self.given:
                     self._read(func, key, leaf)

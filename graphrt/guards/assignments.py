@@ -105,9 +105,10 @@ def python_state_kept(roots: Sequence[Tuple[str, Any]]) -> Iterator[None]:
 
 def observed_run(step: Callable[[], Any], roots: Sequence[Tuple[str, Any]]) -> Tuple[Any, Observation]:
     """``python_state_kept`` around one run of ``step``, observed (graphrt.guards.observe): a global
-    it read and then rebound is put back and refused too."""
+    it read and then rebound is put back and refused too, and a step drawing from a host generator."""
     with python_state_kept(roots):
         result, observation = observe(step)
+        observation.refuse_host_draws()
         observation.refuse_assigned_globals()
     return result, observation
 

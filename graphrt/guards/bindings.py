@@ -60,6 +60,10 @@ class Bindings:
         self._by_owner: Dict[int, List[Link]] = {}
         for link in self.gated:
             self._by_owner.setdefault(link.owner, []).append(link)
+        self._by_tensor: Dict[int, List[Tuple[Link, Tuple[int, torch.dtype, torch.device]]]] = {}
+        for link, where in self._tensors:  # a tensor's memory swapped (.data = other) bumps naming the tensor
+            watch(link.expected)
+            self._by_tensor.setdefault(id(link.expected), []).append((link, where))
 
     def rebound(self, changes: Optional[Iterable[Change]] = None) -> Optional[Tuple[str, str]]:
         """``(reason, words)`` for the first link held by a module or watched object that now holds
@@ -69,15 +73,17 @@ class Bindings:
         if changes is None:
             return self._rebound(self.gated, self._tensors)
         named: List[Link] = []
+        swapped: List[Tuple[Link, Tuple[int, torch.dtype, torch.device]]] = []
         for owner, aspect in changes:
             links = self._by_owner.get(owner)
             if links:
                 named += [link for link in links if link.key == aspect or not isinstance(aspect, str)
                           or aspect.startswith("__")]  # ALL, HOOKS, __class__: every link of the object
-        if not named:
+            swapped += self._by_tensor.get(owner, ())
+        if not named and not swapped:
             return None
         where = self._where
-        return self._rebound(named, [(link, where[id(link)]) for link in named if id(link) in where])
+        return self._rebound(named, [*((link, where[id(link)]) for link in named if id(link) in where), *swapped])
 
     @staticmethod
     def _rebound(gated: Sequence[Link], tensors: Sequence[Tuple[Link, Tuple[int, torch.dtype, torch.device]]]

@@ -6,7 +6,8 @@ on every call would cost O(model depth); instead graphrt patches the APIs that c
 ``EPOCH`` (``Module.train``/``eval``, ``_apply`` (``to``, ``half``, ``double``, ``cuda``, ...),
 ``Module.__setattr__``/``__delattr__`` of any value, parameter, buffer and submodule registration,
 forward hook registration and ``RemovableHandle.remove`` (module and global), the containers'
-mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), ``__setattr__``
+mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), a watched tensor's
+memory swapped (``.data = other``, ``set_``, ``torch.utils.swap_tensors``), ``__setattr__``
 of the plain classes whose objects a guard reads through (``watch_class``), and the setters of
 torch's global settings (graphrt.guards.torch_settings)), so a key re-reads its state only after the epoch moved:
 one integer compare per call otherwise.
@@ -264,6 +265,7 @@ def install() -> None:
         setattr(hooks, name, _bumping(getattr(hooks, name), HOOKS, GLOBAL_HOOKS))
     RemovableHandle.remove = _removing(RemovableHandle.remove)  # type: ignore[method-assign]
     patch_setters(lambda setter: _bumping(setter, ALL, SETTINGS))
+    _patch_storage_swaps()
 
     def registered(module: torch.nn.Module, name: str, *_: Any) -> None:  # register_parameter/buffer/module
         _assigned(module, name)
@@ -271,6 +273,43 @@ def install() -> None:
     _installed.extend([hooks.register_module_parameter_registration_hook(registered),
                        hooks.register_module_buffer_registration_hook(registered),
                        hooks.register_module_module_registration_hook(registered)])
+
+
+def _patch_storage_swaps() -> None:
+    """``tensor.data = other``, ``tensor.set_(...)`` and ``torch.utils.swap_tensors`` give a tensor other
+    memory without an assignment to its holder (a graph goes on reading the old; cudagraph trees'
+    ``test_unstable_ptr``): a watched tensor's swap bumps, naming it (aspect ``data``). The ``data``
+    property reads as torch's own, through its getter."""
+    data = torch._C.TensorBase.data
+
+    def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+        data.__set__(tensor, value)
+        _swapped(tensor)
+
+    torch.Tensor.data = property(data.__get__, set_data, doc=data.__doc__)  # type: ignore[assignment]
+    set_ = torch._C.TensorBase.set_
+
+    @functools.wraps(set_)
+    def set_storage(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = set_(tensor, *args, **kwargs)
+        _swapped(tensor)
+        return result
+
+    torch.Tensor.set_ = set_storage  # type: ignore[method-assign]
+    swap = torch.utils.swap_tensors
+
+    @functools.wraps(swap)
+    def swap_tensors(first: torch.Tensor, second: torch.Tensor) -> None:
+        swap(first, second)
+        _swapped(first)
+        _swapped(second)
+
+    torch.utils.swap_tensors = swap_tensors
+
+
+def _swapped(tensor: torch.Tensor) -> None:
+    if not _compiling() and id(tensor) in WATCHED:
+        bump(id(tensor), "data")
 
 
 def watch_class(cls: type) -> bool:

@@ -16,6 +16,7 @@ import dis
 import functools
 import logging
 import os
+import random
 import sys
 import sysconfig
 import types
@@ -24,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from graphrt.backends.base import StepRefusal
 from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
 from graphrt.guards.reads import global_attributes
@@ -40,6 +42,10 @@ _LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.realpath(path), "") for name 
 _MISSING = object()
 MAX_CHAIN = 4  # wrappers followed from the wrapped callable (partial of a bound method of ...)
 logger = logging.getLogger(__name__)
+
+
+class HostRandomError(StepRefusal):
+    """The step draws from Python's ``random`` or numpy's generators: no graph can hold it."""
 _warned_profiler = False
 
 
@@ -67,6 +73,7 @@ class Observation:
     # the context variables the model's own code read (ContextVar.get) and the environment variables read
     context_variables: List[contextvars.ContextVar] = field(default_factory=list)
     environment: Set[str] = field(default_factory=set)
+    host_draws: List[str] = field(default_factory=list)  # draws from Python's or numpy's generators, with their line
 
     def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
         """The lines of ``code`` that ran, or None when they were not traced (any may have)."""
@@ -98,6 +105,15 @@ class Observation:
         """Whether the step stores ``name`` before reading it (seen by opcode; a use not traced counts as a read)."""
         key = (id(scope), name)
         return key in self.bound and self.global_uses[key][3]
+
+    def refuse_host_draws(self) -> None:
+        """A step that draws from Python's ``random`` or numpy's generators is refused (HostRandomError):
+        a graph replays the draws of its recording, where eager draws anew on every call."""
+        if self.host_draws:
+            raise HostRandomError(
+                f"the step draws from a host random generator ({', '.join(self.host_draws)}): a graph replays "
+                "the values its recording drew, where eager draws anew on every call. Draw with torch "
+                "(torch.rand, torch.bernoulli: each replay draws as eager would), or pass the draws as an argument")
 
     def refuse_assigned_globals(self) -> None:
         """A step that reads a global and then rebinds it (a counter ``COUNT += 1``) changes Python
@@ -151,14 +167,21 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
                         modules.append(module)
                 elif code is _ENVIRON_GETITEM and _read_by_user_code(frame):  # os.environ[...], .get, os.getenv
                     environment.add(frame.f_locals.get("key"))
-        elif event == "c_call" and type(getattr(arg, "__self__", None)) is contextvars.ContextVar and (
-                arg.__name__ == "get" and is_user_file(frame.f_code.co_filename)):
-            if not any(arg.__self__ is variable for variable in context_variables):
-                context_variables.append(arg.__self__)
+        elif event == "c_call":
+            target = getattr(arg, "__self__", None)
+            if type(target) is contextvars.ContextVar and arg.__name__ == "get" and is_user_file(
+                    frame.f_code.co_filename):
+                if not any(target is variable for variable in context_variables):
+                    context_variables.append(target)
+            elif isinstance(target, random.Random):
+                draw = _host_draw(frame, target, arg.__name__)
+                if draw is not None and draw not in observation.host_draws:
+                    observation.host_draws.append(draw)
         if outer is not None:
             outer(frame, event, arg)
 
     tracer = None if sys.gettrace() is not None else GlobalUses(observation)  # a debugger's tracer stays alone
+    numpy_before = _numpy_state()
     sys.setprofile(profile)
     if tracer is not None:
         sys.settrace(tracer.trace)
@@ -170,8 +193,34 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         sys.setprofile(outer)
     observation.bound = {key for key, (scope, name, before, _) in observation.global_uses.items()
                          if scope.get(name, _MISSING) is not before}
+    if not _same_numpy_state(numpy_before, _numpy_state()):  # numpy's draws call no function a profiler sees
+        observation.host_draws.append("numpy.random (its global generator drew during the step)")
     _include_cached_functions(observation)
     return result, observation
+
+
+def _numpy_state() -> Any:
+    """numpy's global generator's state, if numpy is imported."""
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
+
+
+def _same_numpy_state(before: Any, after: Any) -> bool:
+    if before is None or after is None:
+        return before is after
+    return before[2:] == after[2:] and bool((before[1] == after[1]).all())
+
+
+def _host_draw(frame: types.FrameType, generator: random.Random, function: str) -> Optional[str]:
+    """``random.random (model.py:12)`` for a draw the model's code made from a Python generator, else None
+    (torch's or graphrt's own)."""
+    caller: Optional[types.FrameType] = frame
+    while caller is not None and caller.f_code.co_filename == random.__file__:
+        caller = caller.f_back
+    if caller is None or not is_model_file(caller.f_code.co_filename):
+        return None
+    name = f"random.{function}" if generator is getattr(random, "_inst", None) else f"{type(generator).__name__}.{function}"
+    return f"{name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
 
 
 def _read_by_user_code(frame: types.FrameType) -> bool:
