@@ -10,6 +10,8 @@ wrapped object. Checked on every call that would replay the key, in this order:
    submodules, hooks, parameters and their dtypes, devices and memory), of the objects it read, and
    of the links it reached its tensors and modules through (graphrt.guards.python_state,
    graphrt.guards.bindings): one attribute assigned costs one attribute's re-read, whatever the depth;
+   a tensor the step only reads, rebound to one of its kind, is staged into the captured one instead
+   (graphrt.guards.staged_tensors: one copy per call while it is);
 3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
    step's own code reads, the lists and dicts it reached tensors or modules through; and the dicts it
    reads in place by version (graphrt.guards.in_place): the class dicts of the lookups through classes
@@ -43,6 +45,7 @@ from graphrt.guards.live_checks import Same, global_checks
 from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
 from graphrt.guards.python_state import PythonState
 from graphrt.guards.read_objects import step_reads
+from graphrt.guards.staged_tensors import TensorStaging
 
 # The caller's tensors a call stages (None where an optional field is unset), read from the call.
 Sources = Callable[[Any], Sequence[Optional[torch.Tensor]]]
@@ -108,6 +111,7 @@ class KeyGuard:
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
     epoch: int  # the state epoch the Python state was last seen unchanged at
     position: int  # where the changes after that begin (graphrt.guards.epoch.changes_since)
+    staging: TensorStaging  # tensors rebound where the step reads them, copied into the captured ones per call
 
     def __post_init__(self) -> None:
         # bound once: one call per check per call, and one tuple compare for all that compare two objects
@@ -158,7 +162,8 @@ class KeyGuard:
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
         return cls(spec.watch, spec.watch.token(), bindings, python, live, state_memory,
-                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position)
+                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position,
+                   TensorStaging(touched - own, written_state))
 
     def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
         """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
@@ -196,6 +201,8 @@ class KeyGuard:
                     return failure
         if check_storage:
             self.check_storage()
+        if self.staging.pairs:
+            self.staging.stage()
         return None
 
     def state_failure(self) -> Optional[GuardFailure]:
@@ -204,7 +211,7 @@ class KeyGuard:
         epoch is remembered: nothing is read again until it moves)."""
         now = EPOCH[0]
         end, changes = changes_since(self.position)
-        change = self.bindings.rebound(changes) or self.python.change(changes)
+        change = self.bindings.rebound(changes, self.staging) or self.python.change(changes, self.staging)
         if change is not None:
             return GuardFailure(*change)
         self.epoch, self.position = now, end

@@ -14,12 +14,14 @@ whole of the one module an API changed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import GLOBAL_HOOKS, HOOKS, SETTINGS, TRAINING, Change as Changed, watch
+from graphrt.guards.staged_tensors import TensorStaging
 from graphrt.guards.torch_settings import torch_settings
 from graphrt.layout.tensor_tree import is_plain_constant
 
@@ -122,9 +124,10 @@ def object_state(obj: Any, keep: List[Any]) -> Tuple[Any, ...]:
 
 class _Module:
     """One module's state at capture, and whether an aspect of it (an attribute's name, its hooks, its
-    ``training`` flag) still reads the same: the re-read after a bump that names it."""
+    ``training`` flag) still reads the same: the re-read after a bump that names it. A tensor rebound to
+    one the key can stage (graphrt.guards.staged_tensors) reads the same."""
 
-    __slots__ = ("module", "captured", "entries")
+    __slots__ = ("module", "captured", "entries", "tensors")
 
     def __init__(self, module: torch.nn.Module, keep: List[Any]) -> None:
         self.module = module
@@ -132,36 +135,94 @@ class _Module:
         _, _, plain, tensors, children, _ = self.captured
         self.entries = {**{name: (2, value) for name, value in plain}, **{name: (3, value) for name, value in tensors},
                         **{name: (4, value) for name, value in children}}
+        self.tensors = {name: _current(module, name) for name, _ in tensors}
 
-    def same(self, aspect: Any, keep: List[Any]) -> bool:
+    def same(self, aspect: Any, keep: List[Any], staging: Optional[TensorStaging] = None) -> bool:
         module = self.module
         if aspect == TRAINING:
             return module.training == self.captured[1]
         if aspect == HOOKS or aspect in HOOK_DICTS:
             return _module_hooks(module, keep) == self.captured[5]
         if not isinstance(aspect, str) or aspect.startswith("__") or aspect in _TABLES:  # ALL, __class__, __dict__
-            return module_state(module, keep) == self.captured
+            return self.matches(module_state(module, keep), staging)
         if aspect in MODULE_INTERNALS:  # a table of torch's own the state does not compare
             return True
-        return _module_entry(module, aspect, keep) == self.entries.get(aspect)
+        if _module_entry(module, aspect, keep) == self.entries.get(aspect):
+            if staging is not None and aspect in self.tensors:
+                staging.accept((id(module), aspect), self.tensors[aspect], self.tensors[aspect], _no_getter)
+            return True
+        return self._staged(aspect, staging)
+
+    def matches(self, now: Tuple[Any, ...], staging: Optional[TensorStaging]) -> bool:
+        """Whether ``now`` (``module_state``) reads as at capture, tensors the key stages aside."""
+        captured = self.captured
+        if now == captured:
+            return True
+        if staging is None or now[:3] != captured[:3] or now[4:] != captured[4:]:
+            return False
+        before, after = dict(captured[3]), dict(now[3])
+        return before.keys() == after.keys() and all(
+            before[name] == after[name] or self._staged(name, staging) for name in before)
+
+    def _staged(self, name: str, staging: Optional[TensorStaging]) -> bool:
+        """Whether the tensor at ``name``, rebound since capture, is one the key stages."""
+        captured, now = self.tensors.get(name), _current(self.module, name)
+        return staging is not None and captured is not None and now is not captured and staging.accept(
+            (id(self.module), name), captured, now, functools.partial(_current, self.module, name))
+
+
+def _current(module: torch.nn.Module, name: str) -> Any:
+    """What ``module`` holds at ``name``: a parameter, buffer or submodule, else its attribute."""
+    for table in (module._parameters, module._buffers, module._modules):
+        if name in table:
+            return table[name]
+    return vars(module).get(name)
+
+
+def _no_getter() -> None:
+    return None
 
 
 class _Object:
-    """One plain object's state at capture (``object_state``), re-read by attribute name after a bump."""
+    """One plain object's state at capture (``object_state``), re-read by attribute name after a bump;
+    a tensor attribute rebound to one the key can stage reads the same."""
 
-    __slots__ = ("name", "obj", "captured", "entries")
+    __slots__ = ("name", "obj", "captured", "entries", "tensors")
 
     def __init__(self, name: str, obj: Any, keep: List[Any]) -> None:
         self.name, self.obj = name, obj
         self.captured = object_state(obj, keep)
         self.entries = dict(self.captured[1])
+        self.tensors = {key: value for key, value in vars(obj).items() if isinstance(value, torch.Tensor)}
 
-    def same(self, aspect: Any, keep: List[Any]) -> bool:
+    def same(self, aspect: Any, keep: List[Any], staging: Optional[TensorStaging] = None) -> bool:
         if not isinstance(aspect, str) or aspect.startswith("__"):
-            return object_state(self.obj, keep) == self.captured
+            return self.matches(object_state(self.obj, keep), staging)
         value = vars(self.obj).get(aspect, _REF)
-        return (value is _REF and aspect not in self.entries) or (
-            value is not _REF and frozen(value, keep) == self.entries.get(aspect, _REF))
+        if value is _REF:
+            return aspect not in self.entries
+        if frozen(value, keep) == self.entries.get(aspect, _REF):
+            if staging is not None and aspect in self.tensors:  # bound back: no copy from now on
+                staging.accept((id(self.obj), aspect), value, value, _no_getter)
+            return True
+        return self._staged(aspect, staging)
+
+    def matches(self, now: Tuple[Any, ...], staging: Optional[TensorStaging]) -> bool:
+        """Whether ``now`` (``object_state``) reads as at capture, tensors the key stages aside."""
+        if now == self.captured:
+            return True
+        after = dict(now[1])
+        return now[0] is self.captured[0] and after.keys() == self.entries.keys() and all(
+            after[name] == then or self._staged(name, staging) for name, then in self.entries.items())
+
+    def _staged(self, name: str, staging: Optional[TensorStaging]) -> bool:
+        captured, now = self.tensors.get(name), vars(self.obj).get(name)
+        return staging is not None and captured is not None and now is not captured and staging.accept(
+            (id(self.obj), name), captured, now, functools.partial(_attribute, self.obj, name))
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    return vars(obj).get(name)
 
 
 class PythonState:
@@ -186,11 +247,13 @@ class PythonState:
             self._by_id.update((id(attributes[name]), (state, HOOKS)) for name in HOOK_DICTS if name in attributes)
         self._global_hook_ids = {GLOBAL_HOOKS, *(id(getattr(_mod, name)) for name in GLOBAL_HOOK_DICTS)}
 
-    def change(self, changes: Optional[Iterable[Changed]] = None) -> Optional[Change]:
+    def change(self, changes: Optional[Iterable[Changed]] = None,
+               staging: Optional[TensorStaging] = None) -> Optional[Change]:
         """``(reason, words)`` for the first difference from capture, else None: of everything, or,
-        given ``changes`` (``(id, aspect)`` since the state was last seen the same), of what they name."""
+        given ``changes`` (``(id, aspect)`` since the state was last seen the same), of what they name.
+        A module's tensor rebound to one ``staging`` accepts is staged, not a change."""
         if changes is None:
-            return self._change(True, True, self.modules, self.objects)
+            return self._change(True, True, self.modules, self.objects, staging)
         scratch: List[Any] = []
         settings = hooks = False
         modules: List[_Module] = []
@@ -202,12 +265,14 @@ class PythonState:
                 hooks = True
             elif key in self._by_id:
                 state, hook_dict = self._by_id[key]
-                if not state.same(hook_dict or aspect, scratch):
-                    (modules if isinstance(state, _Module) else objects).append(state)
-        return self._change(settings, hooks, modules, objects)
+                if isinstance(state, _Module) and not state.same(hook_dict or aspect, scratch, staging):
+                    modules.append(state)
+                elif isinstance(state, _Object) and not state.same(aspect, scratch, staging):
+                    objects.append(state)
+        return self._change(settings, hooks, modules, objects, staging)
 
-    def _change(self, settings: bool, hooks: bool, modules: Sequence["_Module"],
-                objects: Sequence["_Object"]) -> Optional[Change]:
+    def _change(self, settings: bool, hooks: bool, modules: Sequence["_Module"], objects: Sequence["_Object"],
+                staging: Optional[TensorStaging]) -> Optional[Change]:
         if settings:
             for (name, was), (_, now) in zip(self.settings, torch_settings()):
                 if now != was:
@@ -218,11 +283,11 @@ class PythonState:
                             "or removed since capture"
         for state in modules:
             now = module_state(state.module, scratch)
-            if now != state.captured:
+            if not state.matches(now, staging):
                 return self._describe(state.module, state.captured, now)
         for state in objects:
             now = object_state(state.obj, scratch)
-            if now != state.captured:
+            if not state.matches(now, staging):
                 return _attributes_change(state.name, state.captured[1], now[1])
         return None
 
