@@ -120,6 +120,7 @@ class KeyGuard:
         self._holds = (*([functools.partial(operator.eq, tuple(live for live, _ in equal),
                                             tuple(expected for _, expected in equal))] if equal else []),
                        *(check.check() for check, pair in zip(self.live, pairs) if pair is None))
+        self.failure = self._checker()  # the per-call check (``_checker``)
 
     @classmethod
     def capture(cls, spec: GuardSpec, observation: Optional[Observation], touched: Set[int], written: Set[int],
@@ -148,10 +149,12 @@ class KeyGuard:
         python = PythonState([*modules, *holders, *reads.submodules],
                              [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
                              [*objects, *entry, *values])
+        compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
         # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
         # and the attributes of objects whose class cannot tell of an assignment (a C type)
         in_place = Versioned([*class_reads(step_lookups(observation)),
-                              *(Contents(container, path) for path, container in reads.containers),
+                              *(Contents(container, path) for path, container in reads.containers
+                                if id(container) not in compared),
                               *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj))),
                               *([Environment(observation.environment)] if observation.environment else [])])
         context = ContextVariables(observation.context_variables)
@@ -165,45 +168,54 @@ class KeyGuard:
                    bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position,
                    TensorStaging(touched - own, written_state))
 
-    def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
-        """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
-        staged tensors are ``sources(call)`` (read only when the step writes memory); else why not.
-        ``check_storage`` (debug mode): raise StaleStateError for a tensor whose memory was swapped."""
-        if state is not self.state and state != self.state:
-            return GuardFailure(*self.watch.difference(self.state, state))
-        if EPOCH[0] != self.epoch:
-            failure = self.state_failure()
-            if failure is not None:
-                return failure
-        held = True
-        try:
-            for holds in self._holds:
-                if not holds():
-                    held = False
-                    break
-        except RuntimeError:  # a tensor put where a plain value was: its == raised
-            held = False
-        if not held:  # changed, or (a dict compared by copy) written with what it held
-            failure = next((GuardFailure(*check.change()) for check in self.live if not check.holds()), None)
-            if failure is not None:
-                return failure
-        if self.check_aliases:
-            tensors = sources(call)
-            shares, touched = self.check_pairs, self.touched
-            if not shares:  # whether a staged tensor's memory is state the step reads or writes (inline: per call)
-                for tensor in tensors:
-                    if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
-                        shares = True
+    def _checker(self) -> Callable[..., Optional[GuardFailure]]:
+        """``failure(state, sources, call, check_storage=False)``: None when the key may serve ``call`` made
+        under ``state`` (a ``StateWatch`` token), whose staged tensors are ``sources(call)`` (read only when
+        the step writes memory); else why not. ``check_storage`` (debug mode): raise StaleStateError for a
+        tensor whose memory was swapped. A closure over the key's constants: the per-call path loads no
+        attribute but the epoch seen last."""
+        captured, holds_all, touched, staging = self.state, self._holds, self.touched, self.staging
+        check_aliases, check_pairs, guard = self.check_aliases, self.check_pairs, self
+
+        def failure(state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
+            if state is not captured and state != captured:
+                return GuardFailure(*guard.watch.difference(captured, state))
+            if EPOCH[0] != guard.epoch:
+                changed = guard.state_failure()
+                if changed is not None:
+                    return changed
+            held = True
+            try:
+                for holds in holds_all:
+                    if not holds():
+                        held = False
                         break
-            if shares:
-                failure = self._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None])
-                if failure is not None:
-                    return failure
-        if check_storage:
-            self.check_storage()
-        if self.staging.pairs:
-            self.staging.stage()
-        return None
+            except RuntimeError:  # a tensor put where a plain value was: its == raised
+                held = False
+            if not held:  # changed, or (a dict compared by copy) written with what it held
+                changed = next((GuardFailure(*check.change()) for check in guard.live if not check.holds()), None)
+                if changed is not None:
+                    return changed
+            if check_aliases:
+                tensors = sources(call)
+                shares = check_pairs
+                if not shares:  # whether a staged tensor's memory is state the step reads or writes
+                    for tensor in tensors:
+                        if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                            shares = True
+                            break
+                if shares:
+                    changed = guard._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors
+                                              if tensor is not None])
+                    if changed is not None:
+                        return changed
+            if check_storage:
+                guard.check_storage()
+            if staging.pairs:
+                staging.stage()
+            return None
+
+        return failure
 
     def state_failure(self) -> Optional[GuardFailure]:
         """The Python state and bindings read again (after the epoch moved), as far as the changes

@@ -40,6 +40,13 @@ class Reads:
     thread_locals: List[Tuple[str, threading.local]] = field(default_factory=list)  # read as this thread sees them
     _seen: Set[int] = field(default_factory=set)
 
+    def mark(self, value: Any) -> bool:
+        """Whether ``value`` is met for the first time (it is marked seen)."""
+        if id(value) in self._seen:
+            return False
+        self._seen.add(id(value))
+        return True
+
     def add(self, path: str, value: Any, depth: int = 0, containers: bool = True) -> None:
         """``value`` read at ``path``: a plain object (and what it holds, ``depth`` levels down) or a
         container; ``containers``: whether the object's own containers are read in place too."""
@@ -78,10 +85,10 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
     holds: its containers are read, but an object's own bookkeeping (an engine's timers) is not the step's."""
     reads = Reads()
     holders = {id(value) for _, value in entry}
-    for _, obj in objects:  # their attributes are the step's (graphrt.guards.python_state): what they hold too
-        reads._seen.add(id(obj))
+    for path, obj in objects:  # their attributes are the step's (graphrt.guards.python_state): what they hold too
+        reads.mark(obj)
         for name, held in vars(obj).items() if hasattr(obj, "__dict__") else ():
-            reads.add(f"{name}", held, 1)
+            reads.add(f"{path}.{name}", held, 1)
     ran = {id(module) for module in observation.modules}
     for module in observation.modules:
         _module_reads(module, observation, reads, ran)
@@ -129,8 +136,7 @@ def _module_reads(module: torch.nn.Module, observation: Observation, reads: Read
     adapter = is_adapter_layer(module)  # PEFT's containers change through its API, which bumps the epoch
     for name in names - MODULE_INTERNALS:
         child = children.get(name)
-        if child is not None and id(child) not in ran and id(child) not in reads._seen:
-            reads._seen.add(id(child))
+        if child is not None and id(child) not in ran and reads.mark(child):
             reads.submodules.append(child)  # read, never called: its attributes are read (self.dropout.p)
         value = attributes.get(name)
         if value is not None and not name.startswith("__") and not (adapter and isinstance(value, CONTAINERS)):
