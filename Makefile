@@ -19,14 +19,15 @@ OLDEST_STAMP := $(OLDEST_VENV)/.graphrt-installed-$(TRANSFORMERS_OLDEST)
 # The Hugging Face tests that run again on the oldest release (about a minute of CPU): the cache keyword, the
 # layer kinds and windows, hybrids, T5Gemma and "hybrid" configs, MultiStepGenerate, one family of each kind
 # (decoder, state-space hybrid, encoder-decoder that stays eager before 5.24, VLM with an image), and the engine
-# path alone and sharded over two ranks (the GPU image's transformers is this release).
+# path alone and sharded over two ranks, and its rotary embeddings that depend on the length (longrope changed
+# between the releases; the GPU image's transformers is this release).
 FAMILY_TEST := tests/test_hf_families.py::test_a_repeated_generate_call_replays_every_forward_call
 MULTISTEP := tests/test_hf_multistep.py
 OLDEST_TESTS ?= tests/test_hf_cache_keyword.py tests/test_hf_window_layers.py tests/test_hf_hybrids.py \
 	$(MULTISTEP)::test_sliding_window_and_chunked_launches_replay \
 	$(MULTISTEP)::test_a_model_whose_forward_takes_no_cache_keyword_is_refused_naming_the_keywords \
 	$(FAMILY_TEST)[llama] $(FAMILY_TEST)[gemma3] $(FAMILY_TEST)[bamba] $(FAMILY_TEST)[bart] $(FAMILY_TEST)[llava-image] \
-	tests/test_hf_engine.py tests/test_hf_engine_tensor_parallel.py
+	tests/test_hf_engine.py tests/test_hf_engine_tensor_parallel.py tests/test_hf_engine_rope.py
 
 .PHONY: test test-newest test-oldest-transformers bench test-cuda clean
 

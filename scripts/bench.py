@@ -56,6 +56,7 @@ from bench_lib import (
     model_config,
     parameter_count,
 )
+import bench_engine_step
 from bench_load import LoadSample, format_load, load_verdict, sample_load
 from bench_multistep import format_multistep, measure_multistep
 from bench_peer import compiled_step, warm_compiled
@@ -356,6 +357,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         multistep = run_multistep(settings, config, rng)
     hf = hf_summary(settings)
     guards = guards_summary(settings)
+    engine_host = engine_host_summary(settings)
     load = load_verdict(load_start, sample_load())
     backend = runner.backend_name
     batches = [dataclasses.asdict(result) for result in results]
@@ -394,6 +396,7 @@ def run(settings: Settings, argv: List[str], load_start: LoadSample) -> Dict[str
         "runner_stats": runner.stats(),
         "check": check_summary(runner),
         "hf_generate": hf,
+        "engine_host": engine_host,
     }
     return doc
 
@@ -424,6 +427,20 @@ def guards_summary(settings: Settings) -> Dict[str, Any]:
     return {**dataclasses.asdict(timed), "reread": dataclasses.asdict(reread)}
 
 
+def engine_host_summary(settings: Settings) -> Dict[str, Any]:
+    """The engine's host ms per decode step against the nano-vllm-shaped anchor at growing depths and request
+    counts (bench_engine_step), or why it was skipped (``--quick``: 1 and 4 layers at 4 requests, one call each)."""
+    if not settings.hf:
+        return {"skipped": "--no-hf"}
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    engine = bench_engine_step
+    depths, requests = (engine.QUICK_DEPTHS, engine.QUICK_REQUESTS) if settings.quick else (engine.DEPTHS, engine.REQUESTS)
+    start = time.perf_counter()
+    rows = engine.measure(depths, requests, 1 if settings.quick else 3)
+    return {**engine.as_json(rows), "seconds": time.perf_counter() - start}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the report, write ``<out>/bench_<device>_<model>.json`` and ``.png``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -445,6 +462,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if doc["piecewise"] is not None:
         print("\n".join(format_piecewise(doc["piecewise"])))
     print("\n".join(format_multistep(doc["multistep"])))
+    engine_host = doc["engine_host"]
+    print(f"\nengine host ms per decode step: skipped, {engine_host['skipped']}" if "skipped" in engine_host
+          else "\n".join(bench_engine_step.format_json(engine_host)))
     check = doc["check"]
     print(f"\ngraphrt check of the reference model: {check['seconds']:.2f}s, {check['recordings']} recordings, "
           f"{'ok' if check['ok'] else 'HAZARDS: ' + ', '.join(check['findings'])}")

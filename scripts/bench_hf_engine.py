@@ -3,6 +3,7 @@ bytes per token; its decode step against ``max_context``.
 
     PYTHONPATH=. python scripts/bench_hf_engine.py [--family llama] [--hidden 256] [--prompts 8] [--new-tokens 32]
         [--contexts 1024,4096,16384] [--real-tokens 256]
+    PYTHONPATH=. python scripts/bench_hf_engine.py --device cuda --step-events   # the GPU session's engine row
 
 The same model and prompts (greedy, stopping at the model's EOS) go through ``model.generate_batch`` (transformers'
 continuous batching, paged attention, with its own CUDA graphs where it has them) and through
@@ -21,6 +22,13 @@ step of ``--max-requests`` requests holding about ``--real-tokens`` tokens each,
 ``max_context`` of ``--contexts``: the time in the runner per decode step of a call generating 1 +
 ``DECODE_STEPS`` tokens (``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS``
 calls after one that captures, on one engine per context.
+
+``--step-events`` measures only this instead (issue 47): ``--max-requests`` prompts of 4 tokens decoding
+``--new-tokens`` tokens each on the 4-layer model, with graphs and eagerly, host ms per decode step (the
+step's wall time but its waits for the device) and, on CUDA, device ms per step between CUDA events
+recorded around each step's device work, and one replay of the decode graph alone
+(scripts/bench_engine_events.py). A device-bound step has host ms below the graph's; on CPU the replays run
+on the host, so its host ms include them.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_engine_events import StepEvents, format_events, step_events  # noqa: E402
 from hf_engine_helpers import generate_alone, ragged_prompts  # noqa: E402
 from hf_helpers import tiny_model  # noqa: E402
 
@@ -118,6 +127,20 @@ def workload(family: str, hidden: int, prompts: int, device: str) -> Tuple[torch
     return model, ragged_prompts([4 + (7 * index) % 29 for index in range(prompts)])
 
 
+def step_event_rows(args: argparse.Namespace) -> List[StepEvents]:
+    """``--step-events``: the engine's decode steps with graphs and eagerly, printed as a table."""
+    model, _ = workload(args.family, args.hidden, args.max_requests, args.device)
+    prompts = ragged_prompts([4] * args.max_requests)
+    engine = graphrt.hf.engine_model(model, max_requests=args.max_requests, max_context=4 + args.new_tokens + 1,
+                                     max_step_tokens=4 * args.max_requests)
+    rows = [step_events(engine, prompts, args.new_tokens, graphs) for graphs in (True, False)]
+    print(f"engine decode steps: {args.family}, hidden {args.hidden}, 4 layers, {args.max_requests} requests x "
+          f"{args.new_tokens} new tokens, device {args.device}, overlap {'on' if engine.asynchronous else 'off'}, "
+          f"{torch.get_num_threads()} CPU threads, load average {os.getloadavg()[0]:.1f}")
+    print("\n".join(format_events(rows)))
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Time every path on one model and print a Markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,10 +149,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--contexts", default="1024,4096,16384", help="max_context values of the decode-step table")
     parser.add_argument("--real-tokens", type=int, default=256, help="tokens each request holds in that table")
+    parser.add_argument("--step-events", action="store_true",
+                        help="only the host and device ms per decode step, with graphs and eagerly (CUDA events)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    if args.step_events:
+        step_event_rows(args)
+        return
 
     model, prompts = workload(args.family, args.hidden, args.prompts, args.device)
     expected = generate_alone(model, prompts, args.new_tokens)

@@ -317,11 +317,11 @@ class Qwen3Layer(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """nano-vllm's model: ``forward(input_ids, positions)`` to hidden states, ``compute_logits`` apart."""
 
-    def __init__(self, block_size: int, seed: int = 0) -> None:
+    def __init__(self, block_size: int, seed: int = 0, layers: int = LAYERS) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed_tokens = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Qwen3Layer(block_size) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Qwen3Layer(block_size) for _ in range(layers))
         self.norm = RMSNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         for parameter in self.parameters():
@@ -360,13 +360,15 @@ class ModelRunner:
     prepared on the host, the context set before each step, and one of three decode paths:
     ``eager``, ``wrap`` (the step function graphed by graphrt.wrap, the context tensors passed as its
     arguments and set from them inside the step) or ``runner`` (graphrt.GraphRunner over ForwardBatch,
-    the context built inside the step from graphrt.current_batch())."""
+    the context built inside the step from graphrt.current_batch()). ``capture_sizes``: the runner's
+    decode graphs (default 1, 2, 4, 8)."""
 
     def __init__(self, model: Qwen3ForCausalLM, mode: str, block_size: int = 4, num_blocks: int = 48,
-                 max_num_seqs: int = 8, max_blocks_per_seq: int = 8) -> None:
+                 max_num_seqs: int = 8, max_blocks_per_seq: int = 8,
+                 capture_sizes: Optional[List[int]] = None) -> None:
         self.model = model.eval()
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
-        self.kv_cache = torch.zeros(2, LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        self.kv_cache = torch.zeros(2, len(model.layers), num_blocks, block_size, KV_HEADS, HEAD_DIM)
         for layer_id, layer in enumerate(model.layers):
             layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
@@ -378,7 +380,7 @@ class ModelRunner:
             self.graphed = graphrt.wrap(self.decode_step, max_batch_size=max_num_seqs,
                                         pad_values={"slot_mapping": -1, "context_lens": 1})
         elif mode == "runner":
-            self.graphed = self._graph_runner(max_num_seqs)
+            self.graphed = self._graph_runner(max_num_seqs, capture_sizes or [1, 2, 4, 8])
 
     # -- the graphed steps --------------------------------------------------------------------------
 
@@ -387,10 +389,10 @@ class ModelRunner:
         set_context(False, slot_mapping=slot_mapping, context_lens=context_lens, block_tables=block_tables)
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _graph_runner(self, max_num_seqs: int):
+    def _graph_runner(self, max_num_seqs: int, capture_sizes: List[int]):
         from graphrt import GraphRunner
 
-        runner = GraphRunner(BatchContextModel(self.model), max_batch_size=max_num_seqs, capture_sizes=[1, 2, 4, 8],
+        runner = GraphRunner(BatchContextModel(self.model), max_batch_size=max_num_seqs, capture_sizes=capture_sizes,
                              pad_values={"out_cache_loc": -1}, batch_context={"req_to_token_pool": self.requests},
                              progress=False)
         with torch.inference_mode():  # where nano-vllm, vLLM and SGLang capture

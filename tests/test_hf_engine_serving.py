@@ -29,7 +29,7 @@ NEW_TOKENS = 5
 
 
 def free_capacity(engine):
-    return engine.pools.kv.available, engine.pools.req_to_token.available
+    return engine.slots.available, engine.slots.free_rows
 
 
 def test_runners_captured_in_any_order_keep_every_graph_right(llama, engine):
@@ -189,15 +189,15 @@ def test_a_transient_fault_in_the_attention_op_is_captured_again_once(llama, mon
     prompts = ragged_prompts([6, 5], seed=18)
     expected = generate_alone(llama, prompts, 3)
     assert engine.generate(prompts, max_new_tokens=3) == expected  # captured
-    layout, armed = paged_attention.request_layout, []
+    plan, armed = paged_attention.step_plan, []
 
-    def flaky(batch):
+    def flaky(batch, width=None):
         if armed:
             armed.pop()
             raise RuntimeError("transient device fault")
-        return layout(batch)
+        return plan(batch, width)
 
-    monkeypatch.setattr(paged_attention, "request_layout", flaky)
+    monkeypatch.setattr(paged_attention, "step_plan", flaky)
     armed.append(True)  # the prefill step's replay raises once; its eager rerun succeeds
     assert engine.generate(prompts, max_new_tokens=3) == expected
     assert engine.stats()["eager_reasons"] == {"replay_failed": 1}

@@ -12,6 +12,7 @@ hangs and a rank that dies (each on a gloo group of its own with a one-second ti
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import time
 
@@ -83,6 +84,7 @@ def serve_family(family: str) -> dict:
         result["launched"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS, steps_per_launch=2)
         result["launch_stats"] = engine.stats()
         result["refusals"] = refusals(engine, prompts, dist.get_rank())
+        result["model_change"] = model_change(engine, model, prompts, dist.get_rank())
         if dist.get_rank() == 1:  # a Python value the step reads changes on rank 1: its guard fails there only
             model.lm_head.note = "changed"
         result["one_rank_changed"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
@@ -92,7 +94,7 @@ def serve_family(family: str) -> dict:
 
 def refusals(engine, prompts, rank: int) -> dict:
     """Calls one rank refuses, both refuse, or the ranks make differently: raised on every rank, no step run."""
-    calls_before = engine._model_calls
+    calls_before = engine._counters.model_calls
     found = {}
     bad = [[5, 999]]  # token id 999 is outside the vocabulary (128)
     for name, mine in (("both_bad", bad), ("rank1_bad", bad if rank == 1 else prompts),
@@ -102,11 +104,77 @@ def refusals(engine, prompts, rank: int) -> dict:
             found[name] = None
         except ValueError as error:
             found[name] = str(error)
-    found["model_calls"] = engine._model_calls - calls_before
+    found["model_calls"] = engine._counters.model_calls - calls_before
     try:
         graphrt.hf.engine_model(tiny_model("llama", num_key_value_heads=1), process_group=dist.group.WORLD)
     except ValueError as error:
         found["kv_heads"] = str(error)
+    return found
+
+
+def local_shape(tensor) -> tuple:
+    return tuple((tensor.to_local() if hasattr(tensor, "to_local") else tensor).shape)
+
+
+def serve_peft() -> dict:
+    """A PEFT LoRA model (adapters on q/v, colwise, and o/down, rowwise): its plan matched under the wrapper's
+    prefix, tokens against generate() on the unsharded PEFT model; then the plans graphrt refuses."""
+    import peft
+
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], r=4, lora_alpha=8,
+                           init_lora_weights=False)  # random A and B: adapters that change the tokens
+    model = peft.get_peft_model(tiny_model("llama"), lora).eval()
+    prompts = ragged_prompts(LENGTHS)
+    expected = generate_alone(model, prompts, NEW_TOKENS)
+    base_expected = generate_alone(tiny_model("llama"), prompts, NEW_TOKENS)
+    unsharded_bytes = weight_bytes(model)
+    engine = engine_for(model)
+    graphed = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS)
+    stats = engine.stats()
+    eager = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=ARRIVALS, graphs=False)
+    attention = model.base_model.model.model.layers[0].self_attn
+    shapes = {name: local_shape(tensor) for name, tensor in (
+        ("q_base", attention.q_proj.base_layer.weight), ("q_lora_A", attention.q_proj.lora_A.default.weight),
+        ("q_lora_B", attention.q_proj.lora_B.default.weight), ("o_base", attention.o_proj.base_layer.weight),
+        ("o_lora_A", attention.o_proj.lora_A.default.weight), ("o_lora_B", attention.o_proj.lora_B.default.weight))}
+    dora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(target_modules=["q_proj"], use_dora=True)).eval()
+    return dict(expected=expected, base_expected=base_expected, graphed=graphed, eager=eager, stats=stats,
+                rules=dict(getattr(model, ATTRIBUTE).rules), weight_bytes=(unsharded_bytes, weight_bytes(model)),
+                kv_heads=engine.layout.layers[0].num_kv_heads, shapes=shapes, dora=refused_whole(dora))
+
+
+def refused_whole(model) -> tuple:
+    """(the ValueError engine_model raised, whether the model was left unsharded), or None when it was served."""
+    before = weight_bytes(model)
+    try:
+        engine_for(model)
+        return None
+    except ValueError as error:
+        return str(error), weight_bytes(model) == before and getattr(model, ATTRIBUTE, None) is None
+
+
+def unmatched_plan() -> tuple:
+    """A plan none of whose entries names one of the model's modules."""
+    model = tiny_model("llama")
+    model._tp_plan = {"decoder.blocks.*.attn.q_proj": "colwise", "decoder.blocks.*.attn.o_proj": "rowwise"}
+    return refused_whole(model)
+
+
+def model_change(engine, model, prompts, rank: int) -> dict:
+    """The model's config changed on rank 1 only (refused on every rank, before any probe or step), then on every
+    rank (each rank probes the shard again, in lockstep, and serves on)."""
+    found = {}
+    if rank == 1:
+        model.config.use_cache = False
+    try:
+        engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        found["one_rank"] = None
+    except ValueError as error:
+        found["one_rank"] = str(error)
+    model.config.use_cache = False
+    found["every_rank"] = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    model.config.use_cache = True
     return found
 
 
@@ -161,6 +229,8 @@ def tp_worker(rank: int) -> dict:
     torch.set_num_threads(1)  # two ranks on two cores
     REPORT.clear()
     REPORT["families"] = {family: serve_family(family) for family in FAMILIES}
+    REPORT["peft"] = serve_peft() if importlib.util.find_spec("peft") else None
+    REPORT["unmatched"] = unmatched_plan()
     REPORT["capture_fault"] = capture_fault(rank)
     # Groups of their own (made now, while the ranks are together): a fault leaves its group unusable.
     hang_group, death_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -209,6 +279,42 @@ def test_each_rank_holds_its_shard_as_the_plan_says(reports):
     assert served["gpt-oss"]["kv_heads"] == 2
 
 
+def test_a_peft_model_is_sharded_by_its_base_models_plan_and_serves_generates_tokens(reports):
+    if reports[0]["peft"] is None:
+        pytest.skip("peft is not installed")
+    for report in reports.values():
+        served = report["peft"]
+        assert served["expected"] != served["base_expected"]  # the adapters change the tokens
+        assert served["graphed"] == served["expected"] and served["eager"] == served["expected"]
+        assert served["stats"]["failed_keys"] == {} and served["stats"]["graph_runs"] > 0
+        rules = served["rules"]  # named as the wrapper names its modules
+        assert rules["base_model.model.model.layers.0.self_attn.q_proj"] == "colwise"
+        assert rules["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"] == "colwise"
+        assert rules["base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight"] == "rowwise"
+        assert rules["base_model.model.model.layers.0.self_attn.k_proj"] == "colwise"  # no adapter there
+        assert served["kv_heads"] == 1
+        shapes = served["shapes"]  # hidden 32 (4 heads of 8), LoRA rank 4: each rank its half of the heads
+        assert shapes["q_base"] == (16, 32) and shapes["q_lora_B"] == (16, 4) and shapes["q_lora_A"] == (4, 32)
+        assert shapes["o_base"] == (32, 16) and shapes["o_lora_A"] == (4, 16) and shapes["o_lora_B"] == (32, 4)
+        unsharded, sharded = served["weight_bytes"]
+        assert sharded < 0.6 * unsharded, (unsharded, sharded)
+
+
+def test_a_plan_that_matches_no_module_is_refused_with_the_model_left_whole(reports):
+    for report in reports.values():
+        message, untouched = report["unmatched"]
+        assert "LlamaForCausalLM: no plan entry matched its modules" in message and untouched
+
+
+def test_an_adapter_graphrt_cannot_shard_is_refused_with_the_model_left_whole(reports):
+    if reports[0]["peft"] is None:
+        pytest.skip("peft is not installed")
+    for report in reports.values():
+        message, untouched = report["peft"]["dora"]
+        assert "base_model.model.model.layers.0.self_attn.q_proj is a peft.tuners.lora" in message
+        assert "no DoRA" in message and untouched
+
+
 def test_multi_step_launches_replay_with_the_collectives_inside(reports):
     for report in reports.values():
         llama = report["families"]["llama"]
@@ -225,6 +331,13 @@ def test_a_call_refused_on_one_rank_is_refused_on_every_rank_before_any_step(rep
         assert "num_key_value_heads=1, which 2 ranks do not divide" in refused["kv_heads"]
     assert one["rank1_bad"].startswith("prompts[0][1]: token id 999")
     assert zero["rank1_bad"].startswith("generate: refused on rank 1: ValueError: prompts[0][1]")
+
+
+def test_a_model_changed_on_one_rank_is_refused_on_every_rank_and_followed_when_every_rank_changed_it(reports):
+    for report in reports.values():
+        llama = report["families"]["llama"]
+        assert "ranks were called with different arguments" in llama["model_change"]["one_rank"]
+        assert llama["model_change"]["every_rank"] == llama["expected"]
 
 
 def test_a_capture_failing_on_one_rank_runs_that_key_eagerly_on_every_rank(reports):

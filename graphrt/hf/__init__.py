@@ -2,9 +2,11 @@
 several decode steps per launch (``multistep``), and the caches that replay (``window_layers``,
 ``layer_kinds``, ``cross_attention``, ``cache_keyword``). The engine path: any decoder with
 transformers' modeling-backend contract as a GraphRunner model (``engine``; its probe and refusals
-``engine_probe``; its per-layer KV pools ``kv_layout``; its runners ``engine_runners``; its attention
-``paged_attention``; its continuous batching ``serve`` and per-request token choice ``request_sampling``;
-sharded over ranks by its tensor-parallel plan, ``tensor_parallel``, the ranks agreeing in ``engine_ranks``).
+``engine_probe``; its per-layer KV pools ``kv_layout`` and their host bookkeeping ``engine_slots``; its runners
+``engine_runners``; its attention ``paged_attention``, planned once per step in ``attention_plan``; its
+continuous batching ``serve``, each step staged and its tokens read back in ``engine_step``; per-request
+token choice on the device ``request_sampling``, the generation config's rules ``logits_rules``; sharded
+over ranks by its tensor-parallel plan, ``tensor_parallel``, the ranks agreeing in ``engine_ranks``).
 
 ``import graphrt.hf`` does not import transformers: the modules that need it (``window_layers``,
 ``layer_kinds``) are imported inside the functions that use them.

@@ -6,11 +6,16 @@ model's own modules and weights: it calls the model on the packed step (``[1, nu
 paged attention (``graphrt.hf.paged_attention``) for the call, so the keys and values live in graphrt's
 KV pools and every request's history is read through the request table (or its window's ring). A probe
 step (``graphrt.hf.engine_probe``) reads each layer's shapes, window, KV sharing and mask first, and
-refuses by name a model whose mask says more than causal attention in its window. ``generate`` serves
+refuses by name a model whose mask says more than causal attention in its window; rotary embeddings whose
+frequencies depend on the forward's length give each request its own (``graphrt.hf.request_rope``). Each
+call first checks whether what the probe read changed since (the config's values, a tensor's dtype or
+device: ``graphrt.hf.model_state``): then the model is probed again and, when the probe reads otherwise,
+the KV pools and runners are made anew (their keys captured again). ``generate`` serves
 prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
 (``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
-call at a time (a lock per engine), choosing tokens per request as ``generate()`` does
-(``graphrt.hf.request_sampling``).
+call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
+device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
+(``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
 """
 
 from __future__ import annotations
@@ -24,18 +29,23 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from graphrt.batch import ForwardBatch
+from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.config import RunnerConfig
-from graphrt.hf.engine_probe import plan_layout, probe_layers, refusal
+from graphrt.hf.attention_plan import new_step
+from graphrt.hf.engine_probe import ProbedModel, refusal
 from graphrt.hf.engine_ranks import EngineRanks
 from graphrt.hf.engine_runners import EngineRunners
+from graphrt.hf.engine_slots import SlotTable
+from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
-from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention
-from graphrt.hf.request_sampling import GenerationRules, RequestTokens
-from graphrt.hf.serve import Request, ServeConfig, ServeCounts, held_rows, serve
+from graphrt.hf.logits_rules import GenerationRules
+from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
+from graphrt.hf.request_rope import REQUEST_ROPE_OP
+from graphrt.hf.request_sampling import RequestTokens, TokenChooser
+from graphrt.hf.serve import Request, ServeConfig, ServeCounts, assigned_work, release, serve
 from graphrt.hf.tensor_parallel import shard_model
 from graphrt.host.sampling import SamplingMetadata
-from graphrt.reference import CachePools, ReqToTokenPool, make_decode_batch, make_extend_batch
+from graphrt.reference import CachePools, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +87,69 @@ class HFEngine:
             runner_options = {**runner_options, "cpu_group": self.ranks.cpu_group}
             shard_model(model, self.ranks.group)
         register_paged_attention()
-        slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
-        probed = probe_layers(model, lambda name: attention_implementation(model.config, name))
-        layout = plan_layout(model, probed, max_requests + 1, max_context, max_step_tokens, slots)
         self.model = model
         self.max_requests = max_requests
         self.max_context = max_context
         self.max_step_tokens = max_step_tokens
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.layout = layout
-        self.pools = CachePools(ReqToTokenPool(max_requests + 1, max_context, self.device),
-                                LayeredKVPool(layout, self.device))
+        self._slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
+        self._backend = backend
+        self._runner_options = runner_options
         self._lock = threading.RLock()
-        self.runners = EngineRunners(self, self.pools, layout, backend, self.device, max_requests, max_step_tokens,
-                                     runner_options, self._lock)
-        self._stats: Dict[str, Any] = {}
-        self._model_calls = 0
-        self._in_runner = 0.0  # seconds in the runners' calls during the current call
-        self._in_decode = 0.0  # of those, in decode steps and launches
-        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s", type(model).__name__, slots,
-                    layout.pool_bytes() / 2**20, layout.describe())
+        self._counters = EngineCounters()  # what changes per step: never an attribute of the engine (guards read it)
+        self._serve_probed(self._probe())
+
+    def _probe(self) -> ProbedModel:
+        reason = refusal(self.model)
+        if reason is not None:
+            raise ValueError(f"model: {reason}")
+        return ProbedModel.of(self.model, lambda name: attention_implementation(self.model.config, name),
+                              self.max_requests + 1, self.max_context, self.max_step_tokens, self._slots)
+
+    def _serve_probed(self, probed: ProbedModel) -> None:
+        """Make what serving takes from ``probed``: KV pools of its layout (a previous build's dropped first),
+        its rotary embeddings attached to them, runners (their keys captured on first use)."""
+        self.runners = self.pools = self.slots = self._arena = None  # type: ignore[assignment]  # old buffers go first
+        self.probed, self.layout, self.device, self.vocab_size = probed, probed.layout, probed.device, probed.vocab_size
+        self.logits_width = getattr(self.model.config.get_text_config(), "vocab_size", None) or self.vocab_size
+        self.pools = CachePools(ReqToTokenPool(self.max_requests + 1, self.max_context, self.device),
+                                LayeredKVPool(probed.layout, self.device))
+        self.slots = SlotTable(self.pools.req_to_token, self._slots)
+        # CUDA graphs: copies marked with events, and by default the next step launched before a step's tokens are read
+        self.asynchronous = self.device.type == "cuda" or self._backend == "cuda"
+        self._arena = StepArena(self.pools, self.device, self.max_requests, self.max_step_tokens, self.asynchronous)
+        probed.ropes.attach(self.pools.req_to_token)
+        options = dict(self._runner_options)
+        if probed.ropes.ropes:  # each request's rotary frequencies are planned on the host in prefill steps
+            options["splitting_ops"] = [*(options.get("splitting_ops") or splitting_ops(probed.layout)),
+                                        REQUEST_ROPE_OP]
+        self.runners = EngineRunners(self, self.pools, probed.layout, self._backend, self.device, self.max_requests,
+                                     self.max_step_tokens, options, self._lock)
+        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s",
+                    type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
+                    probed.layout.describe(), probed.ropes.describe())
+
+    def _follow_model(self, changes: List[str]) -> None:
+        """After ``changes`` (what differs from what the probe read, ``ModelState.changes``): the model probed
+        again and, when the probe reads otherwise, KV pools and runners made anew. ValueError naming the
+        changes when the changed model cannot be served."""
+        if not changes:
+            return
+        try:
+            probed = self._probe()
+        except ValueError as error:
+            raise ValueError(f"model: changed since the engine was built ({'; '.join(changes)}) and can no longer "
+                             f"be served: {str(error).removeprefix('model: ')}") from error
+        if self.probed.serves_like(probed):
+            self.probed.state.accept()
+            return
+        logger.warning("engine: the model changed since it was probed (%s): probed again, KV pools and runners made "
+                       "anew (their keys are captured again)", "; ".join(changes))
+        self._serve_probed(probed)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] (float32) of the packed step: the model on ``[1, num_tokens]``."""
-        self._model_calls += 1
+        self._counters.model_calls += 1
+        new_step()  # this call plans its own attention (a capture's warm-ups and recording each run one)
         with attention_implementation(self.model.config, ATTENTION_NAME):
             output = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                                 use_cache=False)
@@ -112,7 +160,7 @@ class HFEngine:
                  sampling: Optional[SamplingMetadata] = None, seed: int = 0,
                  eos_token_id: Union[None, int, Sequence[int], str] = "model",
                  stop_token_ids: Optional[Sequence[Sequence[int]]] = None,
-                 generation_config: Any = "model") -> List[List[int]]:
+                 generation_config: Any = "model", overlap: Optional[bool] = None) -> List[List[int]]:
         """Every prompt's generated token ids, served with continuous batching: at most ``max_requests``
         at once (the rest queue), request ``i`` arriving at step ``arrivals[i]`` (default: all at 0),
         prompts prefilled in chunks of the step budget. Greedy unless ``sampling`` (one row per prompt)
@@ -121,21 +169,26 @@ class HFEngine:
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
         none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
-        Calls from several threads run one at a time."""
-        def prepare() -> Tuple[Tuple[List[Request], ServeConfig], Any]:
+        ``overlap`` (default: on where the graphs are CUDA graphs) launches each step before the host reads
+        the last one's tokens; the tokens are the same either way (tensor parallelism and multi-step
+        launches read each step's first). A request that would grow past the length at which the model's
+        ``generate()`` computes its cache again (Phi-3's long rotary factors) is refused by name. Calls from
+        several threads run one at a time."""
+        def prepare() -> Tuple[Tuple[List[Request], ServeConfig, TokenChooser], Any]:
             _refuse_training(self.model)
             checked = [list(prompt) for prompt in prompts] if isinstance(prompts, (list, tuple)) else prompts
             arrived = self._checked(checked, max_new_tokens, arrivals, steps_per_launch, sampling)
+            self.probed.ropes.check_requests(checked, max_new_tokens)
             eos = self._eos_ids(eos_token_id)
             stops = self._stops(stop_token_ids, len(checked))
             config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
                 else generation_config
-            rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.device)
+            rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.vocab_size)
             if steps_per_launch > 1 and rules.names:
                 raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
                                  f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
                                  f"(or generation_config=None)")
-            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rules, sampling, seed),
+            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, sampling, seed),
                                 frozenset(eos) | stops[index]) for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
@@ -143,16 +196,20 @@ class HFEngine:
             sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
             named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
                      graphs, seed, sampled, repr(config_used))
-            return (requests, config), named
+            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device)
+            return (requests, config, chooser), named
 
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"overlap: expected None or a bool, got {overlap!r}")
         with self._lock:
-            requests, config = self._agreed("generate", prepare)
+            requests, config, chooser = self._agreed("generate", prepare)
             counts = ServeCounts()
-            with self._call(counts):
-                step, launch = self._step_functions(graphs, steps_per_launch)
-                with torch.no_grad():
-                    return serve(self.pools, step, launch, requests, config, counts,
-                                 None if self.ranks is None else self.ranks.share_tokens)
+            with self._call(counts), torch.no_grad(), self.probed.ropes.serving(
+                    lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
+                share = None if self.ranks is None else self.ranks.share_tokens
+                return serve(self.slots, executor, requests, config, counts, share,
+                             self.asynchronous if overlap is None else overlap)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
         """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
@@ -168,32 +225,34 @@ class HFEngine:
 
         with self._lock:
             prompts = self._agreed("prompt_logits", prepare)
-            pools, device = self.pools, self.device
+            requests = [Request(index, 0, RequestTokens(prompt)) for index, prompt in enumerate(prompts)]
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
-            with self._call(ServeCounts()), held_rows(pools, len(prompts)) as (rows, assigned), torch.no_grad():
-                step, _ = self._step_functions(graphs, 1)
-                while any(done < len(prompt) - 1 for done, prompt in zip(assigned, prompts)):
-                    room, chunks = self.max_step_tokens, []
-                    for index, prompt in enumerate(prompts):
-                        chunk = prompt[assigned[index]: min(len(prompt) - 1, assigned[index] + room)]
-                        if chunk:
-                            chunks.append((index, chunk))
-                            room -= len(chunk)
-                    picked = [rows[index] for index, _ in chunks]
-                    starts = [assigned[index] for index, _ in chunks]
-                    loc = pools.assign(picked, starts, [len(chunk) for _, chunk in chunks])
-                    for index, chunk in chunks:
-                        assigned[index] += len(chunk)
-                    batch = make_extend_batch([chunk for _, chunk in chunks], picked, starts, loc, device, pools=pools)
-                    out = step(batch)[0]
-                    for (index, _), part in zip(chunks, out.split([len(chunk) for _, chunk in chunks])):
-                        logits[index].append(part.clone())
-                loc = pools.assign(rows, assigned, [1] * len(rows))
-                for index in range(len(prompts)):
-                    assigned[index] += 1
-                last = step(make_decode_batch([prompt[-1] for prompt in prompts], rows, assigned, loc, device,
-                                              pools=pools))[0]
-                return [torch.cat((*parts, last[index: index + 1])) for index, parts in enumerate(logits)]
+            with self._call(ServeCounts()), torch.no_grad(), self.probed.ropes.serving(
+                    lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                executor = EngineSteps(self._arena, self.runners, self._counters, graphs, 1, None)
+                try:
+                    for request in requests:
+                        request.row = self.slots.take_row()
+                    while any(request.cached < len(request.prompt) - 1 for request in requests):
+                        room, picked, chunks = self.max_step_tokens, [], []
+                        for request in requests:
+                            chunk = request.prompt[request.cached: min(len(request.prompt) - 1, request.cached + room)]
+                            if chunk:
+                                picked.append(request)
+                                chunks.append(chunk)
+                                room -= len(chunk)
+                        work = assigned_work(self.slots, ForwardMode.EXTEND, picked, [len(chunk) for chunk in chunks],
+                                             chunks)
+                        out = executor.run(work)[0]
+                        for request, part in zip(picked, out.split(work.counts)):
+                            logits[request.index].append(part.clone())
+                    work = assigned_work(self.slots, ForwardMode.DECODE, requests, [1] * len(requests),
+                                         [(request.prompt[-1],) for request in requests])
+                    last = executor.run(work)[0]
+                    return [torch.cat((*parts, last[index: index + 1])) for index, parts in enumerate(logits)]
+                finally:
+                    for request in requests:
+                        release(self.slots, request)
 
     def stats(self) -> Dict[str, Any]:
         """What the last ``generate`` (or ``prompt_logits``) call did, a failed one included: the runners it
@@ -204,16 +263,20 @@ class HFEngine:
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
         ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
         with self._lock:
-            if not self._stats:
+            if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
-            return dict(self._stats)
+            return dict(self._counters.stats)
 
     def recapture(self) -> None:
         """Capture every runner's graphs again under the state of now (after weights were rebound, or a
-        key was disabled by replay faults); the KV pools and what they hold stay."""
+        key was disabled by replay faults); the KV pools and what they hold stay, unless what the probe read
+        changed (a dtype, a window): then the model is probed again first, as every call does."""
         with self._lock:
             _refuse_training(self.model)
-            self.runners.recapture()
+            runners = self.runners
+            self._agreed("recapture", lambda: (None, ()))
+            if self.runners is runners:  # not made anew for a changed model
+                runners.recapture()
 
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
@@ -227,68 +290,42 @@ class HFEngine:
     def _agreed(self, call: str, prepare: Callable[[], Tuple[Any, Any]]) -> Any:
         """The checked inputs ``prepare()`` returns beside what names the call's arguments; in tensor
         parallel, every rank's refusal and arguments are agreed on first (``EngineRanks.agree_call``: a
-        call one rank refuses is refused on every rank, before any step)."""
+        call one rank refuses is refused on every rank, before any step). What the probe read is checked first
+        (``_follow_model``; in tensor parallel its changes are agreed on with the arguments, then every rank
+        probes again together)."""
+        changes = self.probed.state.changes()
         if self.ranks is None:
+            self._follow_model(changes)
             return prepare()[0]
         checked, arguments, error = None, None, None
         try:
             checked, arguments = prepare()
         except (TypeError, ValueError) as caught:
             error = caught
-        self.ranks.agree_call(call, error, arguments)
+        self.ranks.agree_call(call, error, (arguments, changes))
+        self._follow_model(changes)
         return checked
 
     @contextmanager
     def _call(self, counts: ServeCounts) -> Iterator[None]:
         """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
         before = self.runners.snapshot()
-        self._in_runner = self._in_decode = 0.0
+        counters = self._counters
+        counters.runner_seconds = counters.decode_seconds = 0.0
         start = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
-            self._stats = {**self.runners.call_stats(before),
-                           "ranks": 1 if self.ranks is None else self.ranks.world_size,
-                           "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": self._in_runner,
-                                     "decode_runner_seconds": self._in_decode}}
+            counters.stats = {**self.runners.call_stats(before),
+                              "ranks": 1 if self.ranks is None else self.ranks.world_size,
+                              "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": counters.runner_seconds,
+                                        "decode_runner_seconds": counters.decode_seconds}}
 
-    def _step_functions(self, graphs: bool, steps_per_launch: int) -> Tuple[Any, Any]:
-        """``serve``'s step and launch: each batch to the runner that serves it, timed, with how many of
-        its steps ran the model eagerly."""
-        runners = self.runners
-
-        def step(batch: ForwardBatch) -> Tuple[torch.Tensor, int]:
-            key, runner = runners.for_batch(graphs, batch)
-            calls, start = self._model_calls, time.perf_counter()
-            logits = runner(batch)
-            seconds = time.perf_counter() - start
-            self._in_runner += seconds
-            if batch.forward_mode.is_decode_or_idle():
-                self._in_decode += seconds
-            eager = self._model_calls - calls
-            if eager:
-                runners.after_eager_step(key, runner)
-            return logits, eager
-
-        def launch(batch: ForwardBatch, steps: int) -> Tuple[torch.Tensor, int]:
-            key, runner = runners.for_batch(graphs, batch, steps_per_launch, steps)
-            calls, start = self._model_calls, time.perf_counter()
-            tokens = runner.decode(batch, steps)
-            seconds = time.perf_counter() - start
-            self._in_runner += seconds
-            self._in_decode += seconds
-            eager = self._model_calls - calls
-            if eager:
-                runners.after_eager_step(key, runner)
-            return tokens, eager
-
-        return step, launch
-
-    def _request_tokens(self, prompt: List[int], index: int, rules: GenerationRules,
-                        sampling: Optional[SamplingMetadata], seed: int) -> RequestTokens:
-        """What request ``index``'s tokens are chosen from: its processors, its sampling row, its generator."""
-        tokens = RequestTokens(prompt, processors=rules.make(len(prompt)))
+    def _request_tokens(self, prompt: List[int], index: int, sampling: Optional[SamplingMetadata],
+                        seed: int) -> RequestTokens:
+        """What request ``index``'s tokens are chosen from: its sampling row, its generator."""
+        tokens = RequestTokens(prompt)
         if sampling is not None:
             tokens.sampling = sampling.slice(index, index + 1)
             tokens.generator = torch.Generator(device=self.device).manual_seed(seed + index)
@@ -350,8 +387,8 @@ class HFEngine:
                 raise TypeError(f"sampling: expected a SamplingMetadata, got {type(sampling).__name__}")
             if sampling.num_reqs != len(prompts):
                 raise ValueError(f"sampling: expected one row per prompt ({len(prompts)}), got {sampling.num_reqs}")
-            if steps_per_launch > 1 and not all(RequestTokens([], sampling=sampling.slice(row, row + 1)).plain_greedy
-                                                for row in range(sampling.num_reqs)):
+            rows = [RequestTokens([], sampling=sampling.slice(row, row + 1)) for row in range(sampling.num_reqs)]
+            if steps_per_launch > 1 and any(row.draws or row.has_penalties for row in rows):
                 raise ValueError("steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
                                  "sampling and its penalties need steps_per_launch=1")
         if arrivals is None:

@@ -10,16 +10,23 @@ them, apply their window only through the mask); and the mask must be exactly th
 that window, or the model is refused by name: graphrt's paged
 attention takes what a token sees from the positions and the window, never from a mask, so a bias
 or any other structure that lives only in the mask (Doge's per-key bias) would be dropped.
+
+``ProbedModel.of`` is the whole probe an engine is built from, made again when the model changed
+since (its ``ModelState``, graphrt.hf.model_state): the layout, the rotary embeddings whose frequencies
+depend on the forward's length (noted in the probe step, graphrt.hf.request_rope), the device and the
+vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from graphrt.hf.kv_layout import KVLayout, LayerKV
+from graphrt.hf.model_state import ModelState
+from graphrt.hf.request_rope import RequestRopes, rotary_calls
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROBE_NAME = "graphrt_probe"  # the attention implementation (and mask) of the probe step
@@ -131,6 +138,35 @@ def plan_layout(model: Any, probed: Dict[int, ProbedLayer], num_request_rows: in
     return KVLayout(layers, num_request_rows, num_slots)
 
 
+@dataclass
+class ProbedModel:
+    """What an engine serves its model from: the KV layout, the length-dependent rotary embeddings, where
+    the model is, its vocabulary, and the ``ModelState`` they were read from."""
+
+    layout: KVLayout
+    ropes: RequestRopes
+    device: torch.device
+    vocab_size: int
+    state: ModelState
+
+    @classmethod
+    def of(cls, model: Any, switch: Callable[[str], Any], num_request_rows: int, max_context: int,
+           max_step_tokens: int, num_slots: int) -> "ProbedModel":
+        """The probe step (``probe_layers``, its rotary calls noted), its layout and rotary embeddings;
+        ValueError naming why the model cannot be served."""
+        state = ModelState(model)
+        with rotary_calls(model) as calls:
+            probed = probe_layers(model, switch)
+        layout = plan_layout(model, probed, num_request_rows, max_context, max_step_tokens, num_slots)
+        return cls(layout, RequestRopes.build(model, calls, max_context), next(model.parameters()).device,
+                   model.get_input_embeddings().num_embeddings, state)
+
+    def serves_like(self, other: "ProbedModel") -> bool:
+        """Whether ``other`` (a probe again) read what this one did: then what was built from this one serves."""
+        return (self.layout.layers == other.layout.layers and self.device == other.device
+                and self.vocab_size == other.vocab_size and self.ropes.same_as(other.ropes))
+
+
 def _configured_window(text_config: Any, index: int) -> int:
     """The window the config gives layer ``index`` (0: none), as transformers' continuous batching reads
     it: ``sliding_window`` for the layers ``layer_types`` calls sliding, or for every layer without
@@ -181,5 +217,5 @@ def _mask_difference(mask: Optional[torch.Tensor], window: int) -> Optional[str]
     return None
 
 
-__all__ = ["ATTENTION_LAYER_TYPES", "PROBE_NAME", "PROBE_TOKENS", "ProbedLayer", "plan_layout", "probe_layers",
-           "refusal"]
+__all__ = ["ATTENTION_LAYER_TYPES", "PROBE_NAME", "PROBE_TOKENS", "ProbedLayer", "ProbedModel", "plan_layout",
+           "probe_layers", "refusal"]

@@ -91,12 +91,14 @@ class EngineRunners:
         self._faulted: Optional[Tuple[RunnerKey, GraphRunner]] = None
 
     def for_batch(self, graphs: bool, batch: ForwardBatch, steps_per_launch: int = 1,
-                  steps: int = 1) -> Tuple[RunnerKey, GraphRunner]:
-        """The runner that serves ``batch`` (``steps`` decode steps of it, on the runner of ``steps_per_launch``)."""
+                  steps: int = 1, longest: Optional[int] = None) -> Tuple[RunnerKey, GraphRunner]:
+        """The runner that serves ``batch`` (``steps`` decode steps of it, on the runner of ``steps_per_launch``;
+        ``longest``: its longest request, when the caller knows it on the host)."""
         if not graphs:
             key = RunnerKey()
         elif batch.forward_mode.is_decode_or_idle():
-            longest = int(batch.seq_lens_cpu.max()) if batch.batch_size else 1
+            if longest is None:
+                longest = int(batch.seq_lens_cpu.max()) if batch.batch_size else 1
             width = self.width_for(longest + steps - 1)
             key = RunnerKey(steps_per_launch, width, steps_per_launch == 1 and width == self.widths[0])
             self.widths_used.add(width)

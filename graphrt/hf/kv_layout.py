@@ -23,8 +23,6 @@ from typing import Any, List, Sequence
 
 import torch
 
-from graphrt.reference import KVPool
-
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -102,13 +100,14 @@ def minimum_bytes_per_token_per_layer(config: Any, layout: KVLayout) -> float:
     return total / len(layout.layers)
 
 
-class LayeredKVPool(KVPool):
-    """The engine's KV pool: ``KVPool``'s slot allocation (full-attention layers, through the request
-    table) with buffers per layer as its ``LayerKV`` says: pool slots, a ring per request row, or the
-    producer's own buffers (the same tensors)."""
+class LayeredKVPool:
+    """The engine's KV pool: ``num_slots`` slots for full-attention layers (through the request table; which
+    are free is the engine's host bookkeeping, graphrt.hf.engine_slots) and buffers per layer as its
+    ``LayerKV`` says: pool slots, a ring per request row, or the producer's own buffers (the same tensors)."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
-        self._init_slots(layout.num_slots, device)
+        self.num_slots = layout.num_slots
+        self.device = torch.device(device)
         self.layout = layout
         self.k_buffers: List[torch.Tensor] = []
         self.v_buffers: List[torch.Tensor] = []

@@ -11,29 +11,30 @@ module's scaling, sliding window, logit soft-capping and attention sinks. The pa
 
 Each layer's keys and values live where its ``LayerKV`` says (graphrt.hf.kv_layout): pool slots through
 the request table, a ring of a window plus a step per request row (sliding-window layers), or its
-producer's buffers (KV-shared layers). Decode steps attend through static-shape metadata refreshed by
-the replay hook, ``width`` table columns per request (the backend of one decode runner serves steps whose
-requests hold at most ``width`` tokens: the engine keeps a runner per width bucket), and a sliding layer
-reads only its window's ring slots; so a full graph records them and a step's attention reads what its
-requests hold, not ``max_context`` per row. Prefill and mixed steps call the ``paged_attention`` custom
-op (``ring_attention`` for a sliding layer's ring, whose writes it does too), which plans on the host per
-request from ``current_batch()`` and is therefore a splitting op of piecewise graphs (``splitting_ops``).
+producer's buffers (KV-shared layers). Which keys each query reads is planned once per step for
+every layer (graphrt.hf.attention_plan): in a decode step, inside the step, ``width`` table columns
+per request (the backend of one decode runner serves steps whose requests hold at most ``width``
+tokens: the engine keeps a runner per width bucket) or a sliding layer's window, so a full graph
+records the plan with the step and a replay needs no host work for it; in a prefill or mixed step,
+every token at once, in the ``paged_attention`` custom op (``ring_attention`` for a sliding layer's
+ring, whose writes it does too), which reads the live batch through ``current_batch()`` and is
+therefore a splitting op of piecewise graphs (``splitting_ops``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.forward_context import current_batch
-from graphrt.hf.kv_layout import KVLayout, LayerKV
+from graphrt.hf.attention_plan import step_plan
+from graphrt.hf.kv_layout import KVLayout
 from graphrt.reference import CachePools
-from graphrt.reference.varlen import request_layout
 
 ATTENTION_NAME = "graphrt_paged"  # the name the attention function is registered under
+MAX_GATHERED_BYTES = 1 << 28  # a prefill layer gathers the keys and values of at most this many bytes at once
 
 
 def _softmax(scores: torch.Tensor, visible: torch.Tensor, softcap: float,
@@ -62,11 +63,12 @@ def _grouped(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Te
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int,
                     ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's keys and values in ``k_cache``/``v_cache``
-    [slots, Hkv, D] for the current batch, planned on the host per request (its chunk and cached
-    prefix): found through the request table, or (``ring`` > 0) in the request row's ring of that many
-    slots; ``window`` > 0 sees the last ``window`` positions only. Returns [T, H, Dv]; rows past the
-    batch's tokens are zeros. This step's keys and values must already be in the caches."""
-    return _attend_requests(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
+    [slots, Hkv, D] for the current batch, every token at once with the step's plan
+    (graphrt.hf.attention_plan): found through the request table, or (``ring`` > 0) in the request
+    row's ring of that many slots; ``window`` > 0 sees the last ``window`` positions only. Returns
+    [T, H, Dv]; rows past the batch's tokens are zeros. This step's keys and values must already be in
+    the caches."""
+    return _attend_tokens(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
 
 
 @paged_attention.register_fake
@@ -81,17 +83,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     """``paged_attention`` of a sliding-window layer that keeps its keys and values in a ring of ``ring``
     slots per request row, writing the step's k/v [T, Hkv, D] at their ring slots first: a ring slot
     depends on the request, which a piecewise graph (keyed by token count only) cannot read, so the
-    write belongs to the op, which plans on the host."""
-    batch = current_batch()
-    if batch is None:
-        raise RuntimeError("ring_attention: no current batch; call it inside a graphrt step")
-    requests = batch.req_pool_indices.to(torch.int64)
-    for request, (start, q_len, prefix) in enumerate(request_layout(batch)):
-        if q_len:
-            slots = requests[request] * ring + torch.arange(prefix, prefix + q_len, device=q.device) % ring
-            k_cache[slots] = k[start: start + q_len].to(k_cache.dtype)
-            v_cache[slots] = v[start: start + q_len].to(v_cache.dtype)
-    return _attend_requests(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
+    write belongs to the op, which plans from the live batch."""
+    plan = step_plan(_live_batch("ring_attention"))
+    tokens = plan.num_rows
+    slots = plan.rows * ring + plan.positions % ring
+    k_cache[slots] = k[:tokens].to(k_cache.dtype)
+    v_cache[slots] = v[:tokens].to(v_cache.dtype)
+    return _attend_tokens(q, k_cache, v_cache, scale, window, ring, softcap, sinks)
 
 
 @ring_attention.register_fake
@@ -100,37 +98,39 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
 
 
-def _attend_requests(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int,
-                     ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """Both ops' attention, request by request of ``current_batch()``."""
+def _live_batch(op: str) -> ForwardBatch:
     batch = current_batch()
     if batch is None:
-        raise RuntimeError("paged_attention: no current batch; call it inside a graphrt step")
-    requests = batch.req_pool_indices.to(torch.int64)
-    layout = [(start, q_len, prefix) for start, q_len, prefix in request_layout(batch) if q_len]
-    longest = max((prefix + q_len for _, q_len, prefix in layout), default=1)
-    table = None if ring else batch.req_to_token_pool.req_to_token[:, :longest].index_select(0, requests)
+        raise RuntimeError(f"{op}: no current batch; call it inside a graphrt step")
+    return batch
+
+
+def _attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int,
+                   ring: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Both ops' attention: every token of ``current_batch()`` over the keys its plan reads, in chunks of
+    tokens whose gathered keys and values stay within ``MAX_GATHERED_BYTES``."""
+    plan = step_plan(_live_batch("paged_attention"))
+    reads = plan.reads(window, ring)
+    tokens, keys = reads.slots.shape
     out = q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[-1]))
-    num_kv_heads = k_cache.shape[1]
-    for request, (start, q_len, prefix) in enumerate(request_layout(batch)):
-        if not q_len:
-            continue
-        first = max(0, prefix + 1 - window) if window > 0 else 0  # the oldest position any query sees
-        positions = torch.arange(first, prefix + q_len, device=q.device)
-        if ring:
-            slots = requests[request] * ring + positions % ring
-        else:  # a capture's padding request may run past the table (a step budget above max_context): scratch there
-            slots = table[request].index_select(0, positions.clamp(max=table.shape[1] - 1))
-        keys, values = k_cache[slots], v_cache[slots]
-        visible = positions[None, :] <= positions[prefix - first:, None]
-        if window > 0:
-            visible &= positions[None, :] > positions[prefix - first:, None] - window
-        grouped = _grouped(q[start: start + q_len], num_kv_heads, keys.dtype)
-        scores = torch.einsum("qkgd,lkd->qkgl", grouped, keys).float() * scale
-        probs = _softmax(scores, visible, softcap, sinks).to(values.dtype)
-        chunk = torch.einsum("qkgl,lkd->qkgd", probs, values)
-        out[start: start + q_len] = chunk.reshape(q_len, q.shape[1], -1).to(q.dtype)
+    per_token = keys * (k_cache[0].numel() * k_cache.element_size() + v_cache[0].numel() * v_cache.element_size())
+    chunk = max(1, MAX_GATHERED_BYTES // max(1, per_token))
+    for start in range(0, tokens, chunk):
+        end = min(tokens, start + chunk)
+        out[start:end] = _attend_rows(q[start:end], k_cache, v_cache, reads.slots[start:end],
+                                      reads.visible[start:end], scale, softcap, sinks)
     return out
+
+
+def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 visible: torch.Tensor, scale: float, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [Q, H, D], each row over the keys and values at its ``slots`` [Q, L] that it sees: [Q, H, Dv]."""
+    keys, values = k_cache[slots], v_cache[slots]  # [Q, L, Hkv, D]
+    grouped = _grouped(q, k_cache.shape[1], keys.dtype)
+    scores = torch.einsum("qkgd,qlkd->qkgl", grouped, keys).float() * scale
+    probs = _softmax(scores, visible, softcap, sinks).to(values.dtype)
+    out = torch.einsum("qkgl,qlkd->qkgd", probs, values)
+    return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
 
 
 PAGED_ATTENTION_OP = torch.ops.graphrt_hf.paged_attention
@@ -144,22 +144,13 @@ def splitting_ops(layout: KVLayout) -> List[Any]:
     return [op for op, used in ((PAGED_ATTENTION_OP, not all(ring)), (RING_ATTENTION_OP, any(ring))) if used]
 
 
-@dataclass
-class DecodeMetadata:
-    """What a decode step's attention reads through the request table: ``width`` slots per request
-    (``kv_indices`` [rows, width]), which of them it sees (``mask``), and ``arange(width)``."""
-
-    kv_indices: torch.Tensor
-    mask: torch.Tensor
-    columns: torch.Tensor
-
-
 class PagedAttnBackend:
-    """graphrt's KV pools as the attention of a Hugging Face model, for one runner: decode steps through
-    static metadata of ``width`` table columns per request (full graphs; ``advance_step`` between the
-    steps of a multi-step key; ``width=None``: eager only, as wide as each step's longest request), prefill
-    and mixed steps through ``PAGED_ATTENTION_OP`` (piecewise graphs split there). Each runner has its
-    own backend over the shared pools, so no runner's capture reallocates state another's graphs read."""
+    """graphrt's KV pools as the attention of a Hugging Face model, for one runner: decode steps read
+    ``width`` table columns per request (``width=None``: eager only, as wide as each step's longest
+    request), planned inside the step itself (graphrt.hf.attention_plan: device ops a full graph
+    records, so a replay needs no host work for its attention), prefill and mixed steps through
+    ``PAGED_ATTENTION_OP`` (piecewise graphs split there). Each runner has its own backend over the
+    shared pools."""
 
     graph_modes = frozenset({ForwardMode.DECODE})
 
@@ -169,71 +160,6 @@ class PagedAttnBackend:
         self.layout = layout
         self.width = width
         self.device = pools.req_to_token.device
-        self.forward_metadata: Optional[DecodeMetadata] = None
-        self.static_metadata: Optional[DecodeMetadata] = None
-        self._static_views: Dict[int, DecodeMetadata] = {}
-
-    # ---- metadata (the runner's attention-backend protocol) ---------------------------------------
-
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Eager path: a decode step's metadata as wide as its longest request (prefill plans in the op)."""
-        if not forward_batch.forward_mode.is_decode_or_idle():
-            return
-        lengths = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
-        width = max(1, int(lengths.max())) if forward_batch.batch_size else 1
-        rows = forward_batch.batch_size
-        metadata = DecodeMetadata(torch.empty((rows, width), dtype=self.req_to_token_pool.req_to_token.dtype,
-                                              device=self.device),
-                                  torch.empty((rows, width), dtype=torch.bool, device=self.device),
-                                  torch.arange(width, device=self.device))
-        self.forward_metadata = self._fill(forward_batch, metadata)
-
-    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """The static metadata, allocated once: ``max_bs`` rows (a decode step has a token per request)
-        of ``width`` columns; none for an eager-only backend."""
-        if self.width is None:
-            return
-        shape = (max_bs, self.width)
-        self.static_metadata = DecodeMetadata(
-            torch.zeros(shape, dtype=self.req_to_token_pool.req_to_token.dtype, device=self.device),
-            torch.zeros(shape, dtype=torch.bool, device=self.device), torch.arange(self.width, device=self.device))
-        self._static_views = {}
-
-    def init_forward_metadata_capture(self, forward_batch: ForwardBatch) -> None:
-        """Before warm-up and capture of a decode graph: fill the static metadata (allocated first)."""
-        if self.static_metadata is None:
-            raise RuntimeError("init_graph_state(max_bs, max_num_tokens) must run before capture")
-        if forward_batch.batch_size > self.static_metadata.kv_indices.shape[0]:
-            raise ValueError(f"batch_size: expected at most {self.static_metadata.kv_indices.shape[0]} "
-                             f"(init_graph_state), got {forward_batch.batch_size}")
-        self.init_forward_metadata_replay(forward_batch)
-
-    def init_forward_metadata_replay(self, forward_batch: ForwardBatch) -> None:
-        """Before each replay: the static metadata's rows of this batch, refilled in place."""
-        rows = forward_batch.batch_size
-        view = self._static_views.get(rows)
-        if view is None:
-            static = self.static_metadata
-            view = self._static_views[rows] = DecodeMetadata(static.kv_indices[:rows], static.mask[:rows],
-                                                             static.columns)
-        self.forward_metadata = self._fill(forward_batch, view)
-
-    def advance_step(self, forward_batch: ForwardBatch) -> None:
-        """Between the decode steps of one multi-step graph (recorded there): the next step's metadata,
-        with device ops only (the engine mapped every step's slots ahead in the request table)."""
-        if not forward_batch.forward_mode.is_decode_or_idle():
-            raise ValueError(f"forward_mode: advance_step runs between decode steps, got {forward_batch.forward_mode.name}")
-        self.init_forward_metadata_replay(forward_batch)
-
-    def _fill(self, forward_batch: ForwardBatch, out: DecodeMetadata) -> DecodeMetadata:
-        """``out`` filled for a decode batch: each request's first ``width`` table slots and which it sees."""
-        width = out.columns.shape[0]
-        table = self.req_to_token_pool.req_to_token[:, :width]
-        torch.index_select(table, 0, forward_batch.req_pool_indices, out=out.kv_indices)
-        torch.lt(out.columns.unsqueeze(0), forward_batch.seq_lens.unsqueeze(1), out=out.mask)
-        return out
-
-    # ---- attention --------------------------------------------------------------------------------
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch,
                scale: float, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -252,27 +178,8 @@ class PagedAttnBackend:
         if stores:
             self._store(k_buffer, v_buffer, self._ring_writes(forward_batch, layer.ring) if layer.ring
                         else forward_batch.out_cache_loc, k, v)
-        slots, visible = self._decode_reads(forward_batch, layer)
-        keys, values = k_buffer[slots], v_buffer[slots]  # [T, L, Hkv, D]: L the width, or the window
-        grouped = _grouped(q, k_buffer.shape[1], keys.dtype)
-        scores = torch.einsum("tkgd,tlkd->tkgl", grouped, keys).float() * scale
-        probs = _softmax(scores, visible, softcap, sinks).to(values.dtype)
-        out = torch.einsum("tkgl,tlkd->tkgd", probs, values)
-        return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
-
-    def _decode_reads(self, forward_batch: ForwardBatch, layer: LayerKV) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The slots a decode step's token reads and which of them it sees: its request's table slots
-        (and its window), or the ring slots of the last ``min(window, width)`` positions."""
-        meta = self.forward_metadata
-        seq_lens = forward_batch.seq_lens.to(torch.int64).unsqueeze(1)
-        if not layer.ring:
-            if not layer.window:
-                return meta.kv_indices, meta.mask
-            return meta.kv_indices, meta.mask & (meta.columns.unsqueeze(0) >= seq_lens - layer.window)
-        count = min(layer.window, meta.columns.shape[0])
-        positions = seq_lens - count + meta.columns[:count].unsqueeze(0)
-        requests = forward_batch.req_pool_indices.to(torch.int64).unsqueeze(1)
-        return requests * layer.ring + positions.clamp(min=0) % layer.ring, positions >= 0
+        reads = step_plan(forward_batch, self.width).reads(layer.window, layer.ring)
+        return _attend_rows(q, k_buffer, v_buffer, reads.slots, reads.visible, scale, softcap, sinks)
 
     @staticmethod
     def _store(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -320,6 +227,6 @@ def register_paged_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-__all__ = ["ATTENTION_NAME", "DecodeMetadata", "PAGED_ATTENTION_OP", "PagedAttnBackend", "RING_ATTENTION_OP",
+__all__ = ["ATTENTION_NAME", "PAGED_ATTENTION_OP", "PagedAttnBackend", "RING_ATTENTION_OP",
            "paged_attention", "paged_attention_forward", "register_paged_attention", "ring_attention",
            "splitting_ops"]

@@ -1,37 +1,37 @@
 """Continuous batching over graphrt's paged KV pools: requests arrive, prefill in chunks, decode, finish.
 
-``serve()`` is the scheduler of ``HFEngine.generate``. It never needs the model: every step it builds
-a ForwardBatch with ``graphrt.reference``'s builders (``make_decode_batch`` / ``make_extend_batch``)
-and hands it to the runner. Per step, at most ``max_running`` requests hold a request row; the
-running decodes come first (one token each), then the prefills take what is left of the token budget
-``max_step_tokens`` in chunks (chunked prefill), so a step is DECODE, EXTEND or MIXED. Requests that
-have not arrived yet (``arrivals``: the step index of each) or find no free row, or not enough free KV
-slots for all they may still write, wait in order. When only decodes run and ``steps_per_launch`` > 1,
-one ``runner.decode`` call runs that many steps. Each request's tokens are chosen from its own logits,
-ids and generator (graphrt.hf.request_sampling). A request's KV slots count as its own the moment they
-are mapped in its table row, so a step that raises (or an interrupt) releases every slot and row.
+``ServeLoop`` is the scheduler of ``HFEngine.generate``, and model-free: its state is the requests
+waiting and running, and ``step()`` advances it by one scheduling step. A step admits the requests that
+have arrived (``arrivals``: the step index of each) while a request row and enough free KV slots for all
+a request may still write are left, in order; picks the step's work (the running decodes first, one
+token each, then prefill chunks within the token budget ``max_step_tokens``: chunked prefill, so a step
+is DECODE, EXTEND or MIXED; when only decodes run and ``steps_per_launch`` > 1, a launch of that many
+decode steps); assigns its KV slots (graphrt.hf.engine_slots: host bookkeeping, a request's slots its
+own the moment they are assigned, so a step that raises, or an interrupt, releases every slot and row);
+hands the work to the executor (graphrt.hf.engine_step), and takes the tokens of the step they are due.
+
+With ``overlap`` (the engine's default on CUDA; SGLang's overlap scheduler and vLLM's async scheduling
+do the same) step N+1 is launched before step N's tokens are read: a decode whose last token is still
+on the device reads it there (``Request.carried``), a stop is seen one step late and the token chosen
+after it is dropped, and a request's row is released one step later. Without it, each step's tokens
+are read right after its launch. The tokens are the same either way: a request's token depends on its
+own logits, ids and generator only. Multi-step launches and tensor parallelism (``share``: the tokens
+every rank goes on with) read each launch's tokens before the next is scheduled.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Deque, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
-import torch
-
-from graphrt.batch import ForwardBatch, ForwardMode
-from graphrt.hf.request_sampling import RequestTokens, choose_tokens
-from graphrt.reference import CachePools, make_decode_batch, make_extend_batch
+from graphrt.batch import ForwardMode
+from graphrt.hf.engine_slots import SlotTable
+from graphrt.hf.request_sampling import RequestTokens
 
 logger = logging.getLogger(__name__)
 
-# batch -> (logits [num_tokens, vocab], how many of its steps ran the model eagerly: 0 or 1)
-StepFn = Callable[[ForwardBatch], Tuple[torch.Tensor, int]]
-# (decode batch, steps) -> (greedy tokens [steps, rows], how many of those steps ran the model eagerly)
-LaunchFn = Callable[[ForwardBatch, int], Tuple[torch.Tensor, int]]
 # the tokens a step chose (flat) -> the tokens to go on with (tensor parallel: rank 0's, on every rank)
 ShareFn = Callable[[List[int]], List[int]]
 
@@ -39,15 +39,20 @@ ShareFn = Callable[[List[int]], List[int]]
 @dataclass
 class Request:
     """One prompt being served: its request row, how many KV slots it was assigned and how many of its
-    tokens are in the KV cache, what its tokens are chosen from, the ids that stop it."""
+    tokens are in the KV cache, what its tokens are chosen from, the ids that stop it, and how many tokens
+    were chosen for it (read into its output, or one still on the device: row ``carried`` of the last
+    step launched)."""
 
     index: int
     arrival: int
     tokens: RequestTokens
     stops: FrozenSet[int] = frozenset()
     row: int = 0
-    assigned: int = 0  # KV slots mapped in its table row (released with it, whatever happens to the step)
+    assigned: int = 0  # KV slots held in its table row (released with it, whatever happens to the step)
     cached: int = 0
+    chosen: int = 0
+    carried: int = -1
+    stopped: bool = False  # one of its stop ids was read: later tokens are dropped
 
     def __post_init__(self) -> None:
         self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
@@ -58,10 +63,15 @@ class Request:
         """True while part of the prompt is not in the KV cache yet."""
         return self.cached < len(self.prompt)
 
+    @property
+    def in_flight(self) -> bool:
+        """True while its last chosen token is on the device, not read yet."""
+        return self.chosen > len(self.output)
+
 
 @dataclass
 class ServeConfig:
-    """How ``serve()`` schedules: request rows, the token budget of a step, steps per decode launch, the
+    """How ``ServeLoop`` schedules: request rows, the token budget of a step, steps per decode launch, the
     context, how many tokens a request may generate."""
 
     max_running: int
@@ -90,160 +100,259 @@ class ServeCounts:
     max_running: int = 0
 
 
-def serve(pools: CachePools, step: StepFn, launch: Optional[LaunchFn], requests: Sequence[Request],
-          config: ServeConfig, counts: ServeCounts, share: Optional[ShareFn] = None) -> List[List[int]]:
-    """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
-    counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did).
-    ``launch`` runs several greedy decode steps (``GraphRunner.decode``), used when ``steps_per_launch``
-    > 1. ``share``: the tokens each step chose, made the tokens every rank goes on with (tensor parallel:
-    rank 0's). Every request row and KV slot taken is released on return, an exception or interrupt included."""
-    device = pools.req_to_token.device
-    waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
-    running: List[Request] = []
-    done: List[Optional[List[int]]] = [None] * len(requests)
-    clock = 0
-    try:
-        while waiting or running:
-            while (waiting and waiting[0].arrival <= clock and len(running) < config.max_running
-                   and _slots_left(pools, running, config) >= config.slots_needed(waiting[0])):
-                request = waiting.popleft()
-                request.row = pools.req_to_token.alloc()
-                running.append(request)
-            if not running:  # idle until the next arrival
-                if waiting[0].arrival <= clock:
-                    raise ValueError(f"kv_slots: request {waiting[0].index} needs {config.slots_needed(waiting[0])} "
-                                     f"KV slots, the pool has {pools.kv.available} free")
-                clock = waiting[0].arrival
-                continue
-            counts.max_running = max(counts.max_running, len(running))
-            decodes = [request for request in running if not request.prefilling]
-            if len(decodes) == len(running) and config.steps_per_launch > 1 and launch is not None:
-                _launch(pools, launch, decodes, config, counts, device, share)
+@dataclass
+class StepWork:
+    """One step (or launch) as the executor runs it: the requests in batch order, the tokens each runs
+    (``counts``; a launch: its steps) after the ``starts`` it had cached, their host-known ids
+    (``chunks``), the decodes whose input id is on the device instead (``carried``: (token row, row of the
+    previous step's tokens); their chunk holds a placeholder), the positions of the rows that choose a
+    token (``sampled``), and the new tokens' KV slots and request-table indices (request-major)."""
+
+    mode: ForwardMode
+    requests: List[Request]
+    counts: List[int]
+    starts: List[int]
+    chunks: List[Sequence[int]]
+    sampled: List[int]
+    slots: List[int]
+    table_index: List[int]
+    steps: int = 1
+    carried: List[Tuple[int, int]] = field(default_factory=list)
+
+
+class StepExecutor(Protocol):
+    """Runs the steps ``ServeLoop`` schedules (graphrt.hf.engine_step.EngineSteps)."""
+
+    def launch(self, work: StepWork) -> Tuple[Any, int]:
+        """Start ``work``: a handle ``read`` takes, and how many of its steps ran the model eagerly."""
+
+    def read(self, handle: Any) -> List[int]:
+        """The tokens a launched step chose, one per sampled row (a launch: step-major, every row)."""
+
+
+class ServeLoop:
+    """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet) and
+    ``step()``; ``done`` holds each finished request's tokens by index."""
+
+    def __init__(self, slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
+                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> None:
+        self.slots = slots
+        self.executor = executor
+        self.config = config
+        self.counts = counts
+        self.share = share
+        self.overlap = overlap and share is None and config.steps_per_launch == 1
+        self.waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
+        self.running: List[Request] = []
+        self.done: List[Optional[List[int]]] = [None] * len(requests)
+        self.clock = 0  # steps launched
+        self.pending: Optional[Tuple[StepWork, Any]] = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request waits, runs, or has tokens not read yet."""
+        return bool(self.waiting or self.running or self.pending)
+
+    def step(self) -> List[Request]:
+        """One scheduling step; the requests it finished."""
+        self._admit()
+        work = self._schedule()
+        if work is None:
+            if self.pending is not None:
+                return self._take(self._pop_pending())
+            self._idle()
+            return []
+        handle, eager = self.executor.launch(work)
+        self._count(work, eager)
+        self.clock += 1
+        previous, self.pending = self.pending, (work, handle)
+        finished = self._take(previous) if previous is not None else []
+        if not self.overlap:
+            finished += self._take(self._pop_pending())
+        return finished
+
+    def close(self) -> None:
+        """Every request row and KV slot still held back to the pools (on return, an exception or an interrupt)."""
+        for request in self.running:
+            self._release(request)
+        self.running = []
+        self.pending = None
+
+    # ---- scheduling -------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        config, waiting = self.config, self.waiting
+        while (waiting and waiting[0].arrival <= self.clock and len(self.running) < config.max_running
+               and self._slots_left() >= config.slots_needed(waiting[0])):
+            request = waiting.popleft()
+            request.row = self.slots.take_row()
+            self.running.append(request)
+        self.counts.max_running = max(self.counts.max_running, len(self.running))
+
+    def _idle(self) -> None:
+        """No work and nothing in flight: wait for the next arrival (a request that has arrived and does not
+        fit in an empty engine never will)."""
+        head = self.waiting[0]
+        if head.arrival <= self.clock:
+            raise ValueError(f"kv_slots: request {head.index} needs {self.config.slots_needed(head)} KV slots, "
+                             f"the pool has {self.slots.available} free")
+        self.clock = head.arrival
+
+    def _slots_left(self) -> int:
+        """Free KV slots once every running request has taken all it may still need (admission waits for
+        room rather than running out of slots mid-request)."""
+        return self.slots.available - sum(self.config.slots_needed(request) - request.assigned
+                                          for request in self.running)
+
+    def _schedule(self) -> Optional[StepWork]:
+        """The next step's work, its slots assigned (None: nothing to run before a token is read)."""
+        limit = self.config.max_new_tokens
+        decodes: List[Request] = []
+        prefills: List[Request] = []
+        for request in self.running:
+            if request.cached < len(request.prompt):
+                prefills.append(request)
+            elif request.chosen < limit and not request.stopped:
+                decodes.append(request)
+        if not decodes and not prefills:
+            return None
+        if self.config.steps_per_launch > 1 and not prefills and self.pending is None:
+            return self._launch_work(decodes)
+        requests: List[Request] = []
+        counts: List[int] = []
+        chunks: List[Sequence[int]] = []
+        carried: List[Tuple[int, int]] = []
+        for request in decodes:
+            if request.in_flight:
+                carried.append((len(requests), request.carried))
+                chunks.append((0,))
             else:
-                _step(pools, step, running, decodes, config, counts, device, share)
-            for request in [request for request in running if _finished(request, config)]:
-                running.remove(request)
-                _release(pools, request)
-                done[request.index] = request.output
-            clock += 1
-    finally:
-        for request in running:
-            _release(pools, request)
-    return done
-
-
-def _release(pools: CachePools, request: Request) -> None:
-    """The request's row and every KV slot mapped in it back to the pools."""
-    if request.row:
-        pools.release(request.row, request.assigned)
-        request.row, request.assigned = 0, 0
-
-
-def _assign(pools: CachePools, requests: Sequence[Request], counts: Sequence[int]) -> torch.Tensor:
-    """``counts[i]`` KV slots after what ``requests[i]`` holds, counted as its own at once."""
-    out_loc = pools.assign([request.row for request in requests], [request.assigned for request in requests], counts)
-    for request, count in zip(requests, counts):
-        request.assigned += count
-    return out_loc
-
-
-@contextmanager
-def held_rows(pools: CachePools, count: int) -> Iterator[Tuple[List[int], List[int]]]:
-    """``count`` request rows of ``pools`` and, per row, how many KV slots it was assigned (the caller
-    keeps that list current); every row and its slots are released on exit, an exception included."""
-    rows: List[int] = []
-    assigned: List[int] = []
-    try:
-        while len(rows) < count:
-            rows.append(pools.req_to_token.alloc())
-            assigned.append(0)
-        yield rows, assigned
-    finally:
-        for row, slots in zip(rows, assigned):
-            pools.release(row, slots)
-
-
-def _slots_left(pools: CachePools, running: Sequence[Request], config: ServeConfig) -> int:
-    """Free KV slots once every running request has taken all it may still need (admission waits for
-    room rather than running out of slots mid-request)."""
-    return pools.kv.available - sum(config.slots_needed(request) - request.assigned for request in running)
-
-
-def _finished(request: Request, config: ServeConfig) -> bool:
-    return len(request.output) >= config.max_new_tokens or (bool(request.output) and request.output[-1] in request.stops)
-
-
-def _step(pools: CachePools, step: StepFn, running: List[Request], decodes: List[Request], config: ServeConfig,
-          counts: ServeCounts, device: torch.device, share: Optional[ShareFn]) -> None:
-    """One step through ``step``: the running decodes first, then prefill chunks within the token budget."""
-    chunks = [(request, [request.output[-1]]) for request in decodes]
-    room = config.max_step_tokens - len(chunks)
-    for request in running:
-        if request.prefilling and room > 0:
+                chunks.append((request.output[-1],))
+            requests.append(request)
+            counts.append(1)
+        room = self.config.max_step_tokens - len(requests)
+        for request in prefills:
+            if room <= 0:
+                break
             chunk = request.prompt[request.cached: request.cached + room]
-            chunks.append((request, chunk))
+            requests.append(request)
+            counts.append(len(chunk))
+            chunks.append(chunk)
             room -= len(chunk)
-    requests = [request for request, _ in chunks]
-    rows = [request.row for request in requests]
-    starts = [request.cached for request in requests]
-    out_loc = _assign(pools, requests, [len(chunk) for _, chunk in chunks])
-    if len(decodes) == len(chunks):
-        batch = make_decode_batch([chunk[0] for _, chunk in chunks], rows, [start + 1 for start in starts], out_loc,
-                                  device, pools=pools)
-        logits, eager = step(batch)
-        counts.decode_steps += 1
-        counts.decode_steps_graphed += 1 - eager
-    else:
-        mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
-        batch = make_extend_batch([chunk for _, chunk in chunks], rows, starts, out_loc, device, mode=mode, pools=pools)
-        logits, eager = step(batch)
-        prompt_tokens = sum(len(chunk) for request, chunk in chunks if request.prefilling)
+        mode = ForwardMode.DECODE if len(requests) == len(decodes) else (
+            ForwardMode.MIXED if decodes else ForwardMode.EXTEND)
+        work = self._assigned(mode, requests, counts, chunks, 1)
+        work.carried = carried
+        sampled = work.sampled
+        for position, request in enumerate(requests):
+            if request.cached >= len(request.prompt):  # its chunk reached the end of the prompt (or it decodes)
+                request.carried = len(sampled)
+                request.chosen += 1
+                sampled.append(position)
+        return work
+
+    def _launch_work(self, decodes: List[Request]) -> StepWork:
+        """Several greedy decode steps in one launch; every step's slots assigned ahead."""
+        steps = min(self.config.steps_per_launch, *(self.config.max_context - request.cached for request in decodes))
+        work = self._assigned(ForwardMode.DECODE, decodes, [steps] * len(decodes),
+                              [(request.output[-1],) for request in decodes], steps)
+        work.sampled.extend(range(len(decodes)))
+        return work
+
+    def _assigned(self, mode: ForwardMode, requests: List[Request], counts: List[int], chunks: List[Sequence[int]],
+                  steps: int) -> StepWork:
+        return assigned_work(self.slots, mode, requests, counts, chunks, steps)
+
+    def _count(self, work: StepWork, eager: int) -> None:
+        counts = self.counts
+        if work.mode is ForwardMode.DECODE:
+            counts.decode_steps += work.steps
+            counts.decode_steps_graphed += work.steps - eager
+            counts.multi_step_launches += work.steps > 1
+            return
+        prompt_tokens = sum(count for request, count, start in zip(work.requests, work.counts, work.starts)
+                            if start < len(request.prompt))
         counts.prefill_steps += 1
         counts.prefill_tokens += prompt_tokens
         counts.prefill_tokens_graphed += 0 if eager else prompt_tokens
-    last_rows, sampled = [], []
-    end = 0
-    for request, chunk in chunks:
-        end += len(chunk)
-        request.cached += len(chunk)
-        if not request.prefilling:  # the chunk reached the end of the prompt: its last row picks a token
-            last_rows.append(end - 1)
-            sampled.append(request)
-    if not sampled:
-        return
-    rows_logits = logits[torch.tensor(last_rows, device=logits.device)]
-    tokens = choose_tokens(rows_logits, [request.tokens for request in sampled])
-    if share is not None:
-        tokens = share(tokens)
-    for request, token in zip(sampled, tokens):
+
+    # ---- tokens -----------------------------------------------------------------------------------
+
+    def _pop_pending(self) -> Tuple[StepWork, Any]:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def _take(self, launched: Tuple[StepWork, Any]) -> List[Request]:
+        """Read a launched step's tokens into its requests' outputs (dropping what follows a stop or the
+        token limit), then finish the requests that are done."""
+        work, handle = launched
+        tokens = self.executor.read(handle)
+        if self.share is not None:
+            tokens = self.share(tokens)
+        limit = self.config.max_new_tokens
+        if work.steps > 1:
+            rows = len(work.requests)
+            for row, request in enumerate(work.requests):
+                for token in tokens[row::rows]:
+                    if request.stopped or len(request.output) >= limit:
+                        break
+                    self._append(request, token)
+                request.chosen = len(request.output)
+        else:
+            for position, token in zip(work.sampled, tokens):
+                request = work.requests[position]
+                if not request.stopped:
+                    self._append(request, token)
+        finished = [request for request in self.running
+                    if request.stopped or (len(request.output) >= limit and not request.in_flight)]
+        for request in finished:
+            self.running.remove(request)
+            self._release(request)
+            self.done[request.index] = request.output
+        return finished
+
+    @staticmethod
+    def _append(request: Request, token: int) -> None:
         request.output.append(token)
+        if token in request.stops:
+            request.stopped = True
+
+    def _release(self, request: Request) -> None:
+        release(self.slots, request)
 
 
-def _launch(pools: CachePools, launch: LaunchFn, decodes: List[Request], config: ServeConfig, counts: ServeCounts,
-            device: torch.device, share: Optional[ShareFn]) -> None:
-    """Several greedy decode steps in one ``launch``: every step's slots mapped ahead in the request table
-    (step-major), tokens past a request's stop dropped (their slots stay the request's until release)."""
-    steps = min(config.steps_per_launch, *(config.max_context - request.cached for request in decodes))
-    rows = [request.row for request in decodes]
-    starts = [request.cached for request in decodes]
-    out_loc = _assign(pools, decodes, [steps] * len(decodes))
-    step_major = out_loc.view(len(decodes), steps).t().reshape(-1)
-    batch = make_decode_batch([request.output[-1] for request in decodes], rows, [start + 1 for start in starts],
-                              step_major, device, pools=pools)
-    chosen_tokens, eager = launch(batch, steps)
-    chosen = chosen_tokens.t().reshape(-1).tolist()  # row-major: each request's steps in turn
-    if share is not None:
-        chosen = share(chosen)
-    tokens = [chosen[row * steps: (row + 1) * steps] for row in range(len(decodes))]
-    counts.multi_step_launches += 1
-    counts.decode_steps += steps
-    counts.decode_steps_graphed += steps - eager
-    for request, chosen in zip(decodes, tokens):
-        request.cached += steps
-        for token in chosen:
-            if _finished(request, config):
-                break
-            request.output.append(token)
+def assigned_work(slots: SlotTable, mode: ForwardMode, requests: List[Request], counts: List[int],
+                  chunks: List[Sequence[int]], steps: int = 1) -> StepWork:
+    """The work of ``requests`` running ``counts`` tokens each, their KV slots assigned (theirs at once) and
+    their cache counts advanced."""
+    starts = [request.cached for request in requests]
+    new_slots, table_index = slots.assign([request.row for request in requests], starts, counts)
+    for request, count in zip(requests, counts):
+        request.assigned += count
+        request.cached += count
+    return StepWork(mode, requests, counts, starts, chunks, [], new_slots, table_index, steps)
 
 
-__all__ = ["Request", "ServeConfig", "ServeCounts", "held_rows", "serve"]
+def release(slots: SlotTable, request: Request) -> None:
+    """The request's row and every KV slot held in it back to the pools."""
+    if request.row:
+        slots.release(request.row, request.assigned)
+        request.row, request.assigned = 0, 0
+
+
+def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
+          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> List[List[int]]:
+    """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
+    counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did). Every
+    request row and KV slot taken is released on return, an exception or interrupt included."""
+    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap)
+    try:
+        while loop.busy:
+            loop.step()
+    finally:
+        loop.close()
+    return loop.done
+
+
+__all__ = ["Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
+           "serve"]

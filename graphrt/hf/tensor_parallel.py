@@ -13,13 +13,21 @@ looks up its own rows, masks the others to zero and the ranks' lookups are all-r
 ``MaskPartial``), and ``colwise_gather_output`` (a vocab-parallel head) as ``colwise`` with the vocab
 shards gathered at the head's output (``all_gather_into_tensor``), so sampling sees the whole vocabulary.
 Other styles, and attention heads the ranks do not divide, are refused by name.
+
+A wrapped model (a PEFT model, any module holding the transformers model) is sharded by the plan of the
+transformers model inside it, matched under that model's path (``base_model.model.`` in a PEFT model); a
+plan none of whose entries matches a module is refused ("no plan entry matched"), never left unapplied.
+A LoRA layer under a ``colwise`` or ``rowwise`` entry is sharded as PEFT shards it on a sharded model: its
+base layer by the entry, ``lora_B`` by a ``colwise`` one (each rank its rows of the update) and ``lora_A``
+by a ``rowwise`` one (its columns, the low-rank activations all-reduced); other adapter layers under a plan
+entry are refused by name.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +55,8 @@ class Sharding:
 def shard_model(model: torch.nn.Module, group: Any) -> Sharding:
     """Shard ``model`` in place over ``group`` by its tensor-parallel plan (every rank calls it on the same
     unsharded model); the ``Sharding`` of a model already sharded over the same ranks. ValueError naming
-    what cannot be sharded: no plan, a style graphrt cannot record, heads the ranks do not divide."""
+    what cannot be sharded: no plan, a plan none of whose entries matches a module, a style graphrt cannot record,
+    an adapter it cannot shard, heads the ranks do not divide; nothing is sharded then."""
     name = type(model).__name__
     ranks = tuple(dist.get_process_group_ranks(group))
     done: Optional[Sharding] = getattr(model, ATTRIBUTE, None)
@@ -55,7 +64,7 @@ def shard_model(model: torch.nn.Module, group: Any) -> Sharding:
         if done.ranks != ranks:
             raise ValueError(f"model: {name} is sharded over ranks {list(done.ranks)}, not process_group's {list(ranks)}")
         return done
-    plan = dict(getattr(model, "tp_plan", None) or {})
+    prefix, plan = _plan_owner(model)
     if not plan:
         raise ValueError(f"model: {name} has no tensor-parallel plan (its config's base_model_tp_plan, its "
                          "_tp_plan): nothing says how to shard it over process_group")
@@ -73,33 +82,126 @@ def shard_model(model: torch.nn.Module, group: Any) -> Sharding:
     styles = tensor_parallel.ALL_PARALLEL_STYLES
     rank = dist.get_rank(group)
     applied: Dict[str, str] = {}
-    for module_name, module in model.named_modules():
-        style_name = _rule(module_name, plan, tensor_parallel, is_weight=False)
-        if style_name in LINEAR_ONLY and not isinstance(module, torch.nn.Linear):
-            raise ValueError(f"model: {name}.{module_name} is a {type(module).__name__} under the plan's "
-                             f"{style_name!r}, whose local path is nn.Linear's")
+    for path, module_name, module, style_name, param_styles in _planned(model, name, prefix, plan, tensor_parallel):
+        if style_name is not None and hasattr(module, "base_layer"):
+            _shard_adapter(module, path, style_name, styles, mesh, applied)
+            continue
         if style_name == VOCAB_EMBEDDING:
             _vocab_parallel_embedding(module, module_name, mesh, group, rank, len(ranks))
-            applied[module_name] = style_name
+            applied[path] = style_name
             continue
-        for param_name in list(module._parameters):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            param_style = _rule(full, plan, tensor_parallel, is_weight=True)
-            if param_style is None or module._parameters[param_name] is None:
-                continue
+        for param_name, param_style in param_styles.items():
             style = styles["colwise" if param_style == GATHERED_HEAD else param_style]
-            style.validate_param(module, param_name, mesh, parameter_name=full)
+            style.validate_param(module, param_name, mesh, parameter_name=_joined(module_name, param_name))
             style.shard_param(module, param_name, mesh)
-            applied[full] = param_style
+            applied[_joined(path, param_name)] = param_style
         if style_name is not None:
             styles["colwise" if style_name == GATHERED_HEAD else style_name].install_forward(module, mesh)
             if style_name == GATHERED_HEAD:
                 _gather_vocab(module, group, len(ranks))
-            applied[module_name] = style_name
+            applied[path] = style_name
     sharding = Sharding(ranks, rank, tuple(applied.items()))
     setattr(model, ATTRIBUTE, sharding)
     logger.info("rank %d of %d: %s sharded by %d plan entries", rank, len(ranks), name, len(applied))
     return sharding
+
+
+def _plan_owner(model: torch.nn.Module) -> Tuple[str, Dict[str, str]]:
+    """The path of the module whose tensor-parallel plan shards ``model``, and that plan: the outermost
+    transformers model with a plan inside ``model`` (a wrapper such as a PEFT model holds it under a prefix),
+    else ``model``'s own ``tp_plan``."""
+    from transformers import PreTrainedModel
+
+    for path, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            plan = dict(getattr(module, "tp_plan", None) or {})
+            if plan:
+                return path, plan
+    return "", dict(getattr(model, "tp_plan", None) or {})
+
+
+def _under(prefix: str, path: str) -> Optional[str]:
+    """``path`` relative to the module at ``prefix`` ("" for that module itself), or None outside it."""
+    if not prefix:
+        return path
+    if path == prefix:
+        return ""
+    return path[len(prefix) + 1:] if path.startswith(prefix + ".") else None
+
+
+def _joined(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _planned(model: torch.nn.Module, name: str, prefix: str, plan: Dict[str, str],
+             tensor_parallel: Any) -> List[Tuple[str, str, torch.nn.Module, Optional[str], Dict[str, str]]]:
+    """Every module the plan matches under ``prefix``: (its path, its name in the plan's model, the module, its
+    style or None, its own parameters' styles), checked before anything is sharded: ValueError naming a module
+    whose type the style cannot shard, or a plan none of whose entries matched."""
+    planned = []
+    for path, module in model.named_modules():
+        module_name = _under(prefix, path)
+        if module_name is None:
+            continue
+        style_name = _rule(module_name, plan, tensor_parallel, is_weight=False)
+        if style_name is not None and hasattr(module, "base_layer"):  # an adapter layer (PEFT) over the planned module
+            _check_adapter(module, f"{name}.{path}", style_name)
+            planned.append((path, module_name, module, style_name, {}))
+            continue
+        if style_name in LINEAR_ONLY and not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"model: {name}.{path} is a {type(module).__name__} under the plan's "
+                             f"{style_name!r}, whose local path is nn.Linear's")
+        if style_name == VOCAB_EMBEDDING and not isinstance(module, torch.nn.Embedding):
+            raise ValueError(f"model: {name}.{path} is a {type(module).__name__} under the plan's {VOCAB_EMBEDDING!r}, "
+                             "which shards an nn.Embedding's vocabulary")
+        param_styles = {} if style_name == VOCAB_EMBEDDING else {
+            param_name: style for param_name, style in
+            ((param_name, _rule(_joined(module_name, param_name), plan, tensor_parallel, is_weight=True))
+             for param_name, param in module._parameters.items() if param is not None) if style is not None}
+        if style_name is not None or param_styles:
+            planned.append((path, module_name, module, style_name, param_styles))
+    if not planned:
+        where = f" under {prefix!r}" if prefix else ""
+        raise ValueError(f"model: {name}: no plan entry matched its modules{where} (the plan names "
+                         f"{', '.join(sorted(plan)[:3])}, ...); nothing would be sharded over process_group")
+    return planned
+
+
+def _check_adapter(module: torch.nn.Module, described: str, style_name: str) -> None:
+    """ValueError naming ``module`` (an adapter layer over a planned module) unless it is a plain PEFT LoRA
+    layer over an ``nn.Linear`` under ``colwise`` or ``rowwise``."""
+    base = module.base_layer
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    plain = (isinstance(base, torch.nn.Linear) and isinstance(lora_a, torch.nn.ModuleDict)
+             and isinstance(lora_b, torch.nn.ModuleDict) and not getattr(module, "lora_variant", None)
+             and not any(dict(getattr(module, "use_dora", None) or {}).values())
+             and all(isinstance(layer, torch.nn.Linear) for layer in (*lora_a.values(), *lora_b.values())))
+    if style_name not in ("colwise", "rowwise") or not plain:
+        raise ValueError(f"model: {described} is a {type(module).__module__}.{type(module).__name__} adapter over a "
+                         f"{type(base).__name__} under the plan's {style_name!r}; graphrt shards LoRA adapters over "
+                         "nn.Linear (no DoRA or other variant) under 'colwise' and 'rowwise' only: merge the adapter "
+                         "into the weights (merge_and_unload()) or serve the model on one rank")
+
+
+def _shard_adapter(module: torch.nn.Module, path: str, style_name: str, styles: Any, mesh: Any,
+                   applied: Dict[str, str]) -> None:
+    """A PEFT LoRA layer under a ``colwise``/``rowwise`` entry (``_check_adapter``), sharded as PEFT shards one on
+    a sharded model: its base layer by the entry; ``lora_B`` by ``colwise`` (its rows: this rank's part of the
+    update, beside the base layer's output shard), ``lora_A`` by ``rowwise`` (its columns of the sharded input:
+    the low-rank activations all-reduced, ``lora_B`` whole)."""
+    style = styles[style_name]
+    side = "lora_B" if style_name == "colwise" else "lora_A"
+    layers = [(f"{path}.base_layer", module.base_layer),
+              *((f"{path}.{side}.{adapter}", layer) for adapter, layer in getattr(module, side).items())]
+    for layer_path, layer in layers:
+        for param_name, param in list(layer._parameters.items()):
+            if param is None:
+                continue
+            style.validate_param(layer, param_name, mesh, parameter_name=_joined(layer_path, param_name))
+            style.shard_param(layer, param_name, mesh)
+            applied[_joined(layer_path, param_name)] = style_name
+        style.install_forward(layer, mesh)
+    applied[path] = style_name
 
 
 def _rule(name: str, plan: Dict[str, str], tensor_parallel: Any, is_weight: bool) -> Optional[str]:
@@ -136,9 +238,6 @@ def _vocab_parallel_embedding(module: torch.nn.Module, path: str, mesh: Any, gro
     gets every token's embedding, as DTensor's vocab-parallel lookup (``MaskPartial``) computes it."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if not isinstance(module, torch.nn.Embedding):
-        raise ValueError(f"model: {path} is a {type(module).__name__} under the plan's {VOCAB_EMBEDDING!r}, "
-                         "which shards an nn.Embedding's vocabulary")
     vocab = module.weight.shape[0]
     shard = distribute_tensor(module.weight.detach(), mesh, [Shard(0)], src_data_rank=None).to_local()
     start = min(rank * -(-vocab // world_size), vocab)

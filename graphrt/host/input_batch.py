@@ -11,6 +11,7 @@ contract as the static outputs of a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -195,6 +196,31 @@ def _index_array(name: str, values: Any) -> np.ndarray:
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
 
+def write_requests(host: Dict[str, np.ndarray], first_request: int, first_token: int, input_ids: Sequence[int],
+                   positions: Sequence[int], out_cache_loc: Sequence[int], counts: Sequence[int],
+                   seq_lens: Sequence[int], req_pool_indices: Sequence[int], extend: bool = True) -> None:
+    """Requests ``first_request..`` into a host arena's views (graphrt.host.arena), their tokens from
+    ``first_token`` on: ``counts[i]`` new tokens each (``input_ids``, ``positions``), every KV slot they
+    write (``out_cache_loc``: one per token, or several steps' of a launch), their ``seq_lens`` (prefix plus
+    new tokens) and request rows; with ``extend``, their query start offsets, prefix lengths and last-token
+    rows too (a batch of one-token decodes reads none of those). The one way a host-built batch is
+    written: ``BatchBuilder`` a request at a time, the engine (graphrt.hf.engine_step) a step at a time.
+    Sequences (lists or arrays) of equal lengths, already checked."""
+    last = first_request + len(counts)
+    host["input_ids"][first_token:first_token + len(input_ids)] = input_ids
+    host["positions"][first_token:first_token + len(positions)] = positions
+    host["out_cache_loc"][first_token:first_token + len(out_cache_loc)] = out_cache_loc
+    host["req_pool_indices"][first_request:last] = req_pool_indices
+    host["seq_lens"][first_request:last] = seq_lens
+    if not extend:
+        return
+    ends = list(itertools.accumulate(counts, initial=first_token))[1:]
+    host["query_start_loc"][first_request + 1:last + 1] = ends
+    host["extend_seq_lens"][first_request:last] = counts
+    host["extend_prefix_lens"][first_request:last] = [length - count for length, count in zip(seq_lens, counts)]
+    host["logits_indices"][first_request:last] = [end - 1 for end in ends]
+
+
 class BatchBuilder:
     """Accumulates requests straight into the host arena of ``buffers`` and builds an InputBatch."""
 
@@ -276,17 +302,10 @@ class BatchBuilder:
         slots, blocks = self._kv_slots(kv, pos)
 
         buf.wait_host_free()
-        i, start, end = self.num_reqs, self._num_tokens, self._num_tokens + n
+        i, end = self.num_reqs, self._num_tokens + n
         host = buf.host_views
-        host["input_ids"][start:end] = ids
-        host["positions"][start:end] = pos
-        host["out_cache_loc"][start:end] = SCRATCH_SLOT if slots is None else slots
-        host["query_start_loc"][i + 1] = end
-        host["req_pool_indices"][i] = DUMMY_REQ_POOL_INDEX if kv is None else kv.req_pool_index
-        host["seq_lens"][i] = seq_len
-        host["extend_seq_lens"][i] = n
-        host["extend_prefix_lens"][i] = seq_len - n
-        host["logits_indices"][i] = end - 1
+        write_requests(host, i, self._num_tokens, ids, pos, np.full(n, SCRATCH_SLOT) if slots is None else slots,
+                       [n], [seq_len], [DUMMY_REQ_POOL_INDEX if kv is None else kv.req_pool_index])
         host["block_table"][i, :blocks.shape[0]] = blocks
         host["block_table"][i, blocks.shape[0]:] = 0
         for name, value in zip(SAMPLING_DEFAULTS, params):

@@ -147,6 +147,15 @@ def sample(
     greedy_tokens = logits.argmax(dim=-1)
     if bool(greedy_host.all()):
         return greedy_tokens
+    probs, sorted_ids = sampling_distribution(logits, meta)
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return torch.where(meta.is_greedy(), greedy_tokens, sorted_ids.gather(1, choice).squeeze(1))
+
+
+def sampling_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What the sampled rows of float32 ``logits`` [rows, vocab] draw from, row by row: the probabilities
+    sorted from the most likely token down, after temperature, top-k, top-p and min-p (``meta`` on the
+    logits' device; a greedy row's is unused), and the token ids in that order."""
     greedy = meta.is_greedy()
     scaled = logits / torch.where(greedy, 1.0, meta.temperatures)[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
@@ -158,5 +167,4 @@ def sample(
     outside_top_p = ((probs.cumsum(dim=-1) - probs) >= meta.top_ps[:, None]) & (meta.top_ps < 1)[:, None]
     below_min_p = probs < meta.min_ps[:, None] * probs[:, :1]
     sorted_logits.masked_fill_(outside_top_p | below_min_p, float("-inf"))
-    choice = torch.multinomial(sorted_logits.softmax(dim=-1), 1, generator=generator)
-    return torch.where(greedy, greedy_tokens, sorted_ids.gather(1, choice).squeeze(1))
+    return sorted_logits.softmax(dim=-1), sorted_ids
