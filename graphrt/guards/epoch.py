@@ -30,10 +30,11 @@ own per-step path assigns to a watched object.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Hashable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -85,6 +86,27 @@ class _ActiveJournal(threading.local):
 
 
 JOURNAL = _ActiveJournal()
+
+
+class _Quiet(threading.local):
+    """How deep this thread is in ``unbumped`` blocks."""
+
+    depth = 0
+
+
+_QUIET = _Quiet()
+
+
+@contextmanager
+def unbumped() -> Iterator[None]:
+    """Assignments this thread makes inside bump nothing: for graphrt's own set-and-restore of a watched
+    object's attribute around a call it makes (an engine switching the model config's attention
+    implementation for each step and back), which leaves the object as it was for the next check."""
+    _QUIET.depth += 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
 _compiling = torch.compiler.is_compiling
 _installed: List[Any] = []
 # Container methods that change which modules or parameters a container holds; several write
@@ -192,7 +214,7 @@ def _removing(original: Callable[..., None]) -> Callable[..., None]:
 def _assigned(obj: Any, name: str) -> None:
     """An attribute of ``obj`` was assigned or deleted: a bump when some key reads it."""
     key = id(obj)
-    if key in WATCHED and not _compiling():
+    if key in WATCHED and not _compiling() and not _QUIET.depth:
         names = WATCHED_NAMES.get(key)
         if names is None or name in names:
             bump(key, name)

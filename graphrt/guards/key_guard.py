@@ -146,9 +146,10 @@ class KeyGuard:
         functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
         reads = step_reads(observation, plain_objects, entry, spec.fn, functions)
         read_objects = [*plain_objects, *reads.objects]
+        names = frozenset(observation.attribute_names())  # an object the step read counts for these attributes
         python = PythonState([*modules, *holders, *reads.submodules],
                              [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
-                             [*objects, *entry, *values])
+                             [*objects, *entry, *values], {id(obj): names for _, obj in reads.objects})
         compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
         # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
         # and the attributes of objects whose class cannot tell of an assignment (a C type)

@@ -28,7 +28,7 @@ import torch
 from graphrt.backends.base import StepRefusal
 from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
-from graphrt.guards.reads import global_attributes
+from graphrt.guards.reads import attribute_names, global_attributes
 from graphrt.layout.rebind_guard import RebindError
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -78,6 +78,12 @@ class Observation:
     def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
         """The lines of ``code`` that ran, or None when they were not traced (any may have)."""
         return None if self.lines is None else self.lines.get(code, set())
+
+    def attribute_names(self) -> Set[str]:
+        """The attribute names the code that ran loads (graphrt.guards.reads.attribute_names): on the lines
+        that ran where they were traced, anywhere in the code otherwise."""
+        traced = self.lines or {}
+        return set().union(*(attribute_names(code, traced.get(code)) for code in self.ran_codes))
 
     def ran(self, code: types.CodeType) -> bool:
         return code in self.ran_codes

@@ -15,7 +15,7 @@ whole of the one module an API changed.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -116,10 +116,12 @@ def global_hooks(keep: List[Any]) -> Tuple[Any, ...]:
     return tuple(frozen(tuple(getattr(_mod, name).items()), keep) for name in GLOBAL_HOOK_DICTS)
 
 
-def object_state(obj: Any, keep: List[Any]) -> Tuple[Any, ...]:
-    """``(class, attributes)`` of a plain object the step reads (an engine, an object argument)."""
+def object_state(obj: Any, keep: List[Any], names: Optional[AbstractSet[str]] = None) -> Tuple[Any, ...]:
+    """``(class, attributes)`` of a plain object the step reads (an engine, an object argument); ``names``:
+    only those attributes (the names the step's code loads)."""
     keep.append(type(obj))
-    return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items())
+    return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items()
+                            if names is None or name in names)
 
 
 class _Module:
@@ -187,17 +189,22 @@ class _Object:
     """One plain object's state at capture (``object_state``), re-read by attribute name after a bump;
     a tensor attribute rebound to one the key can stage reads the same."""
 
-    __slots__ = ("name", "obj", "captured", "entries", "tensors")
+    __slots__ = ("name", "obj", "names", "captured", "entries", "tensors")
 
-    def __init__(self, name: str, obj: Any, keep: List[Any]) -> None:
-        self.name, self.obj = name, obj
-        self.captured = object_state(obj, keep)
+    def __init__(self, name: str, obj: Any, keep: List[Any], names: Optional[AbstractSet[str]] = None) -> None:
+        self.name, self.obj, self.names = name, obj, names
+        self.captured = object_state(obj, keep, names)
         self.entries = dict(self.captured[1])
         self.tensors = {key: value for key, value in vars(obj).items() if isinstance(value, torch.Tensor)}
 
+    def state(self, keep: List[Any]) -> Tuple[Any, ...]:
+        return object_state(self.obj, keep, self.names)
+
     def same(self, aspect: Any, keep: List[Any], staging: Optional[TensorStaging] = None) -> bool:
         if not isinstance(aspect, str) or aspect.startswith("__"):
-            return self.matches(object_state(self.obj, keep), staging)
+            return self.matches(self.state(keep), staging)
+        if self.names is not None and aspect not in self.names:
+            return True  # an attribute the step's code never loads by name
         value = vars(self.obj).get(aspect, _REF)
         if value is _REF:
             return aspect not in self.entries
@@ -230,12 +237,12 @@ class PythonState:
     with ``change()`` after the state epoch moved: all of it, or only what the changes since name."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], objects: Sequence[Tuple[str, Any]],
-                 named: Sequence[Tuple[str, Any]]) -> None:
+                 named: Sequence[Tuple[str, Any]], names: Optional[Dict[int, AbstractSet[str]]] = None) -> None:
         for watched in (*modules, *(obj for _, obj in objects)):
             watch(watched)
         self._keep: List[Any] = []
         self.modules = [_Module(module, self._keep) for module in modules]
-        self.objects = [_Object(name, obj, self._keep) for name, obj in objects]
+        self.objects = [_Object(name, obj, self._keep, (names or {}).get(id(obj))) for name, obj in objects]
         self.global_hooks = global_hooks(self._keep)
         self.settings = torch_settings()
         self._named = named  # (name, object) roots, to name a module in words
@@ -286,7 +293,7 @@ class PythonState:
             if not state.matches(now, staging):
                 return self._describe(state.module, state.captured, now)
         for state in objects:
-            now = object_state(state.obj, scratch)
+            now = state.state(scratch)
             if not state.matches(now, staging):
                 return _attributes_change(state.name, state.captured[1], now[1])
         return None

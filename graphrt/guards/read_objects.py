@@ -24,7 +24,7 @@ import torch
 from graphrt.guards.adapters import is_adapter_layer
 from graphrt.guards.observe import Observation
 from graphrt.guards.python_state import MODULE_INTERNALS
-from graphrt.guards.reads import global_attributes, self_attributes, self_chains
+from graphrt.guards.reads import global_attributes, only_appended, self_attributes, self_chains
 
 CONTAINERS = (dict, list, set)
 MAX_DEPTH = 2  # objects followed below an object argument or a read object
@@ -98,6 +98,8 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
+            if only_appended(function.__code__, name):
+                continue  # a log the step appends to (a hook's ``logged.append(...)``): never read
             if id(value) not in holders or isinstance(value, CONTAINERS):
                 reads.add(f"{name} (closure of {function.__qualname__})", value, containers=False)
     for scope, names in observation.globals_read():

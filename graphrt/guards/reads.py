@@ -42,6 +42,48 @@ def global_attributes(code: types.CodeType, lines: Optional[AbstractSet[int]] = 
     return {(owner, name) for line, owner, name in _scan(code)[1] if lines is None or line is None or line in lines}
 
 
+def attribute_names(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[str]:
+    """Every attribute name ``code`` loads, whatever from (``x.name``, ``x.name()``), and the constant names it
+    passes to ``getattr``/``hasattr`` on a line (``getattr(config, "sliding_window", None)``); ``lines``: only
+    on those. A name computed at run time is not seen."""
+    return {name for line, name in _named_reads(code) if lines is None or line is None or line in lines}
+
+
+_named: Dict[types.CodeType, List[Tuple[Optional[int], str]]] = {}
+
+
+def _named_reads(code: types.CodeType) -> List[Tuple[Optional[int], str]]:
+    found = _named.get(code)
+    if found is not None:
+        return found
+    found, constants, getters = [], [], set()
+    for instruction in dis.get_instructions(code):
+        line = instruction.positions.lineno if instruction.positions else None
+        if instruction.opname in _ATTRIBUTE_LOADS and isinstance(instruction.argval, str):
+            found.append((line, instruction.argval))
+        elif instruction.opname == "LOAD_CONST" and isinstance(instruction.argval, str):
+            constants.append((line, instruction.argval))
+        elif instruction.opname == "LOAD_GLOBAL" and instruction.argval in ("getattr", "hasattr"):
+            getters.add(line)
+    found += [(line, name) for line, name in constants if line in getters]
+    _named[code] = found
+    return found
+
+
+APPENDS = frozenset({"append", "appendleft", "extend", "add", "insert"})
+
+
+def only_appended(code: types.CodeType, name: str) -> bool:
+    """Whether every load of the closure cell or global ``name`` in ``code`` is the object of an append
+    (``logged.append(value)``): a log the step writes, whose contents it never reads."""
+    instructions = [instruction for instruction in dis.get_instructions(code) if instruction.opname not in _TRANSPARENT]
+    loads = [index for index, instruction in enumerate(instructions)
+             if instruction.opname in ("LOAD_DEREF", "LOAD_CLOSURE", "LOAD_GLOBAL", "LOAD_NAME")
+             and instruction.argval == name]
+    return bool(loads) and all(index + 1 < len(instructions) and instructions[index + 1].opname in _ATTRIBUTE_LOADS
+                               and instructions[index + 1].argval in APPENDS for index in loads)
+
+
 def _loads_first_argument(instruction: dis.Instruction, first: Optional[str]) -> bool:
     if first is None or not instruction.opname.startswith(_LOCAL_LOADS):
         return False
