@@ -123,6 +123,7 @@ class GraphedCallable:
         self._grad_warned = False
         self._watch = StateWatch()
         self._variants = 0  # Python states seen (wrap() keeps layouts per state: StateWatch.variant)
+        self._rebound_early: Set[int] = set()  # layouts whose last graphs were renewed after few replays
         self._positional_names = positional_names(fn)
         self.pad_values = checked_pad_values(pad_values, fn)
         if not all(isinstance(tensor, torch.Tensor) for tensor in scratch_state):
@@ -361,10 +362,11 @@ class GraphedCallable:
         """A key's guard failed. A Python state that can come back (``training``, an attribute, the
         hooks: ``RECURRING``) switches the calls to that state's layouts, those of a state seen before
         whose guards hold now or new ones, and dispatches this call there. A rebound tensor or module,
-        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now, unless
-        its last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few
-        calls, as beam search's cache reorder does): then its calls run eagerly from now on. Other
-        failures run this call eagerly with the failure's reason."""
+        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now (a one-off
+        rebinding, whenever it happens: ``load_state_dict(assign=True)``, a replaced head), unless its
+        graphs were renewed so twice in a row after fewer than ``CHURN_LIMIT`` replays each (the binding
+        changes every few calls, as beam search's cache reorder does): then its calls run eagerly from
+        now on. Other failures run this call eagerly with the failure's reason."""
         reason = EagerReason(failure.reason)
         self._stats.record_guard_failure(f"{failure.reason}: {failure.detail}")
         if failure.reason in RECURRING and may_switch:
@@ -373,8 +375,12 @@ class GraphedCallable:
         if reason in (EagerReason.REBOUND_STATE, EagerReason.MODULE_MOVED):
             graphs = layout.graphs
             replays = sum(entry.hits for entry in graphs.registry.entries.values())
-            if replays >= CHURN_LIMIT:
+            if replays >= CHURN_LIMIT or layout.number not in self._rebound_early:
                 logger.info("wrap(): %s; layout %d records its graphs again", failure.detail, layout.number)
+                if replays < CHURN_LIMIT:
+                    self._rebound_early.add(layout.number)
+                else:
+                    self._rebound_early.discard(layout.number)
                 self.layouts.renew(layout)
             else:
                 logger.warning("wrap(): %s after %d replays: the binding changes every few calls (a Hugging Face "
