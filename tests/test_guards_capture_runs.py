@@ -9,6 +9,7 @@ the key by name (RebindError, with the write and its line), so the calls run eag
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,48 +72,38 @@ def eager_then_graphrt(model, state, reset):
     return eager, graphed, eager_state, state(), fast
 
 
-def reason_of(fast):
-    (reason,) = fast.stats()["failed_keys"].values()
-    return reason
-
-
-def test_a_class_level_counter_ends_as_eager_leaves_it():
-    model = ClassCounter()
-
+def class_counter():
     def reset():
         ClassCounter.calls = 0
 
-    eager, graphed, eager_state, state, fast = eager_then_graphrt(model, lambda: ClassCounter.calls, reset)
-    assert state == eager_state == CALLS
-    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
-    reason = reason_of(fast)
-    assert reason.startswith("RebindError: ClassCounter.calls") and "test_guards_capture_runs.py:29 in forward" in reason
+    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", 30, CALLS
 
 
-def test_a_helper_objects_counter_ends_as_eager_leaves_it():
+def helper_counter():
     model = HelperCounter()
 
     def reset():
         model.stats.calls = 0
 
-    eager, graphed, eager_state, state, fast = eager_then_graphrt(model, lambda: model.stats.calls, reset)
-    assert state == eager_state == CALLS
-    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
-    reason = reason_of(fast)
-    assert reason.startswith("RebindError: HelperCounter.stats.calls") and "test_guards_capture_runs.py:45 in forward" in reason
+    return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", 46, CALLS
 
 
-def test_a_dict_counted_into_ends_as_eager_leaves_it():
-    model = DictCounter()
-
+def dict_counter():
     def reset():
         COUNTS.update(rows=0, calls=0)
 
-    eager, graphed, eager_state, state, fast = eager_then_graphrt(model, lambda: dict(COUNTS), reset)
-    assert state == eager_state == {"rows": 4 * CALLS, "calls": CALLS}
+    return DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", 56, {"rows": 4 * CALLS, "calls": CALLS}
+
+
+@pytest.mark.parametrize("case", [class_counter, helper_counter, dict_counter], ids=lambda case: case.__name__)
+def test_python_state_the_step_writes_ends_as_eager_leaves_it(case):
+    model, state, reset, path, line, expected = case()
+    eager, graphed, eager_state, graphed_state, fast = eager_then_graphrt(model, state, reset)
+    assert graphed_state == eager_state == expected
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
-    reason = reason_of(fast)
-    assert reason.startswith("RebindError: COUNTS['rows']") and "test_guards_capture_runs.py:55 in forward" in reason
+    (reason,) = fast.stats()["failed_keys"].values()
+    assert reason.startswith(f"RebindError: {path}: the step writes it")
+    assert f"test_guards_capture_runs.py:{line} in forward" in reason
 
 
 def test_a_step_writing_no_python_state_still_replays():

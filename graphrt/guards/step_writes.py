@@ -117,16 +117,18 @@ class StepWrites:
                 "state in a tensor written in place, or pass it as an argument")
 
     def _changed(self) -> Optional[Tuple[str, Any, Any, Any]]:
-        """``(path, name, before, now)`` of the first entry changed since the save, else None."""
+        """``(path, name, before, now)`` of the first entry changed since the save, else None. An entry
+        added where none was (a key, a set's member, an attribute) is lazy initialisation, as eager's first
+        call at that size does (a per-shape memo): kept, not refused. A list counts whole (a log grows)."""
         for path, kind, holder, saved in self._saved:
             current = self._current(kind, holder)
             if kind == "container" and isinstance(holder, set):
-                if holder != saved:
+                if not saved <= holder:
                     return path, path.rsplit(".", 1)[-1], sorted(saved, key=repr), sorted(holder, key=repr)
                 continue
             if not entries_changed(current, saved):
                 continue
-            keys = range(max(len(current), len(saved))) if isinstance(current, list) else {**saved, **current}
+            keys = range(max(len(current), len(saved))) if isinstance(current, list) else saved
             for key in keys:
                 then, now = _entry(saved, key), _entry(current, key)
                 if differs(now, then):
@@ -139,6 +141,7 @@ class StepWrites:
         return class_dict(holder) if kind == "class" else vars(holder) if kind == "object" else holder
 
     def _restore(self) -> None:
+        """Everything saved as it was (the additions the run made too: the key is refused)."""
         for _, kind, holder, saved in reversed(self._saved):
             if kind == "container":
                 if isinstance(holder, set):
