@@ -39,7 +39,7 @@ from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device, step_lock,
 )
 from graphrt.backends.compiled import describe_callable, eager_stance, is_compiled, opaque_to_dynamo
-from graphrt.backends.outside_reads import OutsideReads, refuse_changed_reads
+from graphrt.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
 from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import ForwardMode, debug_enabled
@@ -49,7 +49,7 @@ from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.signature_stager import SignatureStager
-from graphrt.layout.padding_rows import checked_pad_values, padding_refusal, positional_names
+from graphrt.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -346,7 +346,7 @@ class GraphedCallable:
     def _warm_up(self, layout: Layout[LayoutGraphs], batch_size: int, leaves: List[Any], args: tuple,
                  kwargs: dict) -> Any:
         """A warm-up: ``fn`` on the call, eagerly, noting the tensors it reads from outside its
-        arguments (graphrt.backends.outside_reads), which the next recording compares with its own.
+        arguments (graphrt.outside_reads), which the next recording compares with its own.
         A compiled ``fn`` runs without the note (it compiles here, with no dispatch mode active); a
         compiled part of ``fn`` runs its eager code under the note, which Dynamo would skip for good."""
         if is_compiled(self.fn):
@@ -442,7 +442,7 @@ class GraphedCallable:
     def _padding_refused(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int) -> bool:
         """Before ``entry``'s key first records: if smaller calls will pad to it, compare the step on
         the fewest rows it serves (this call's first rows, pad values above) with the step on all its
-        rows (graphrt.layout.padding_rows). Padding rows that write state the real rows' step does not
+        rows (graphrt.padding_rows). Padding rows that write state the real rows' step does not
         (or a step that cannot run at both sizes) make the layout record every size exactly, said once.
         True when this call, padded, must not record the key."""
         graphs = layout.graphs

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphrt.backends.source_lines import SourceLine, model_source_line
 from graphrt.backends.state_journal import allocated_storages, has_storage, storage_key
+from graphrt.guards import find_bindings, memory_of
 
 Storage = Tuple[torch.device, int]
 _aten = torch.ops.aten
@@ -108,8 +109,6 @@ def refuse_changed_reads(given: Set[Storage], expected: Sequence[Tuple[Any, Stor
     """Around a recording's warm-up: raise OutsideTensorError (naming the op and line) when the step
     reads, at an op where the ``expected`` call read another tensor, one that is neither ``given``
     (its static slots) nor held by ``roots`` (the model, the argument objects)."""
-    from graphrt.guards import find_bindings, memory_of
-
     reads = OutsideReads(given, expected)
     with reads:
         yield
