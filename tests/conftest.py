@@ -21,9 +21,12 @@ BACKENDS = [
 
 
 class Faults:
-    """Fault injection for a test model, held as an object: flipping a fault is no change of the
-    model's state (a plain attribute its forward reads would be one, and the guards would run the
-    steps after it eagerly)."""
+    """Fault injection for a test model, held as an object with slots: flipping a fault is no change of
+    the model's state. A plain attribute its forward reads would be one, and so is an attribute of an
+    object with a ``__dict__`` the step reads (issue 49: the guards would run the steps after it eagerly);
+    the guards read no slots object's attributes."""
+
+    __slots__ = ("capture_at", "now")
 
     def __init__(self, capture_at=None):
         self.capture_at = capture_at  # the batch size whose steps raise
