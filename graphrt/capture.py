@@ -292,15 +292,16 @@ def recorded_step(entry: GraphEntry) -> Callable[[], List[Any]]:
     first run is observed (graphrt.guards.observe): what it ran is what the key's guard checks, and
     the compiled code it ran (``compiled_code``) is compiled for the key before its recording."""
     roots = entry.guard_spec.rebind_roots() if entry.guard_spec is not None else ()
+    fn = entry.guard_spec.fn if entry.guard_spec is not None else None
     entry.observation = None
 
     def run() -> List[Any]:
         leaves: List[Any] = []
         if entry.observation is None:
-            outputs, entry.observation = observed_run(entry.step, roots)
+            outputs, entry.observation = observed_run(entry.step, roots, fn)
             entry.runs_compiled = compiled_code(entry.observation.modules, entry.observation.compiled_calls)
         else:
-            with python_state_kept(roots):
+            with python_state_kept(roots, fn):
                 outputs = entry.step()
         structure = flatten(outputs, leaves)
         for path, leaf in zip(leaf_paths(structure, "output"), leaves):

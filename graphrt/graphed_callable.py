@@ -39,7 +39,7 @@ from graphrt.backends import (
     graphs_disabled_by_env, make_backend, refuse_compiled_cudagraphs, resolve_backend_name, resolve_device, step_lock,
 )
 from graphrt.backends.compiled import describe_callable, eager_stance, is_compiled, opaque_to_dynamo
-from graphrt.backends.outside_reads import OutsideReads, refuse_changed_reads
+from graphrt.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
 from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import ForwardMode, debug_enabled
@@ -49,8 +49,8 @@ from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.signature_stager import SignatureStager
-from graphrt.layout.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.layout.wrapped_module import through_wrapper
+from graphrt.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -124,6 +124,7 @@ class GraphedCallable:
         self._grad_warned = False
         self._watch = StateWatch()
         self._variants = 0  # Python states seen (wrap() keeps layouts per state: StateWatch.variant)
+        self._rebound_early: Set[int] = set()  # layouts whose last graphs were renewed after few replays
         self._positional_names = positional_names(fn)
         self.pad_values = checked_pad_values(pad_values, fn)
         if not all(isinstance(tensor, torch.Tensor) for tensor in scratch_state):
@@ -350,7 +351,7 @@ class GraphedCallable:
     def _warm_up(self, layout: Layout[LayoutGraphs], batch_size: int, leaves: List[Any], args: tuple,
                  kwargs: dict) -> Any:
         """A warm-up: ``fn`` on the call, eagerly, noting the tensors it reads from outside its
-        arguments (graphrt.backends.outside_reads), which the next recording compares with its own.
+        arguments (graphrt.outside_reads), which the next recording compares with its own.
         A compiled ``fn`` runs without the note (it compiles here, with no dispatch mode active); a
         compiled part of ``fn`` runs its eager code under the note, which Dynamo would skip for good."""
         if is_compiled(self.fn):
@@ -366,10 +367,11 @@ class GraphedCallable:
         """A key's guard failed. A Python state that can come back (``training``, an attribute, the
         hooks: ``RECURRING``) switches the calls to that state's layouts, those of a state seen before
         whose guards hold now or new ones, and dispatches this call there. A rebound tensor or module,
-        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now, unless
-        its last graphs replayed fewer than ``CHURN_LIMIT`` times (the binding changes every few
-        calls, as beam search's cache reorder does): then its calls run eagerly from now on. Other
-        failures run this call eagerly with the failure's reason."""
+        or a move, gives the layout fresh graphs, recorded on later calls on what is bound now (a one-off
+        rebinding, whenever it happens: ``load_state_dict(assign=True)``, a replaced head), unless its
+        graphs were renewed so twice in a row after fewer than ``CHURN_LIMIT`` replays each (the binding
+        changes every few calls, as beam search's cache reorder does): then its calls run eagerly from
+        now on. Other failures run this call eagerly with the failure's reason."""
         reason = EagerReason(failure.reason)
         self._stats.record_guard_failure(f"{failure.reason}: {failure.detail}")
         if failure.reason in RECURRING and may_switch:
@@ -378,8 +380,12 @@ class GraphedCallable:
         if reason in (EagerReason.REBOUND_STATE, EagerReason.MODULE_MOVED):
             graphs = layout.graphs
             replays = sum(entry.hits for entry in graphs.registry.entries.values())
-            if replays >= CHURN_LIMIT:
+            if replays >= CHURN_LIMIT or layout.number not in self._rebound_early:
                 logger.info("wrap(): %s; layout %d records its graphs again", failure.detail, layout.number)
+                if replays < CHURN_LIMIT:
+                    self._rebound_early.add(layout.number)
+                else:
+                    self._rebound_early.discard(layout.number)
                 self.layouts.renew(layout)
             else:
                 logger.warning("wrap(): %s after %d replays: the binding changes every few calls (a Hugging Face "
@@ -441,7 +447,7 @@ class GraphedCallable:
     def _padding_refused(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int) -> bool:
         """Before ``entry``'s key first records: if smaller calls will pad to it, compare the step on
         the fewest rows it serves (this call's first rows, pad values above) with the step on all its
-        rows (graphrt.layout.padding_rows). Padding rows that write state the real rows' step does not
+        rows (graphrt.padding_rows). Padding rows that write state the real rows' step does not
         (or a step that cannot run at both sizes) make the layout record every size exactly, said once.
         True when this call, padded, must not record the key."""
         graphs = layout.graphs

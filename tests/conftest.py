@@ -23,9 +23,12 @@ BACKENDS = [
 
 
 class Faults:
-    """Fault injection for a test model, held as an object: flipping a fault is no change of the
-    model's state (a plain attribute its forward reads would be one, and the guards would run the
-    steps after it eagerly)."""
+    """Fault injection for a test model, held as an object with slots: flipping a fault is no change of
+    the model's state. A plain attribute its forward reads would be one, and so is an attribute of an
+    object with a ``__dict__`` the step reads (issue 49: the guards would run the steps after it eagerly);
+    the guards read no slots object's attributes."""
+
+    __slots__ = ("capture_at", "now")
 
     def __init__(self, capture_at=None):
         self.capture_at = capture_at  # the batch size whose steps raise
@@ -109,6 +112,19 @@ def captured_runner(model, **options):
     return runner
 
 
+def calls(fast, *args, times=3, **kwargs):
+    """``times`` calls of a wrapped callable (warm-up, recording, replay by default); the last result."""
+    result = None
+    for _ in range(times):
+        result = fast(*args, **kwargs)
+    return result
+
+
+def failures(fast):
+    """A front's guard failures, in one string."""
+    return " | ".join(fast.stats()["guard_failures"])
+
+
 def eager_step(model, batch):
     """``model`` on ``batch`` eagerly, as a runner's eager path calls it."""
     with torch.no_grad():
@@ -147,7 +163,7 @@ def nothing_left_active():
 
     from graphrt.backends import session
     from graphrt.guards import epoch
-    from graphrt.guards.python_state import torch_settings
+    from graphrt.guards.torch_settings import torch_settings
 
     tracer, profiler, settings = sys.gettrace(), sys.getprofile(), torch_settings()
     yield

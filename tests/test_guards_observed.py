@@ -18,22 +18,10 @@ import threading
 
 import pytest
 import torch
-from conftest import ToyPagedModel, captured_runner, decode_batch, eager_step
+from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
 from torch import nn
 
 from graphrt import GraphRunner, wrap
-
-
-def calls(fast, *args, times=3, **kwargs):
-    """``times`` calls (warm-up, recording, replay by default); the last result."""
-    result = None
-    for _ in range(times):
-        result = fast(*args, **kwargs)
-    return result
-
-
-def failures(fast):
-    return " | ".join(fast.stats()["guard_failures"])
 
 
 class Tempered(nn.Module):
@@ -452,9 +440,10 @@ class LayerDrop(nn.Module):
 
 
 def test_layerdrop_with_python_random_leaves_the_generators_as_eager_does():
-    """Capture's extra runs (warm-up, recording, verification) draw from Python's ``random`` and
-    numpy's global generator; they must be undone, as torch's generators' draws are, so later eager
-    code draws what it would have: three calls ran the model's Python once (the warm-up)."""
+    """Capture's extra runs draw from Python's ``random`` and numpy's global generator; they must be
+    undone, as torch's generators' draws are, so later eager code draws what it would have. A step
+    drawing from them is refused at capture (issue 49: a replay would repeat the recording's draws), so
+    three calls ran the model's Python three times, as eager would."""
     np = pytest.importorskip("numpy")
     model = LayerDrop()
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
@@ -462,12 +451,14 @@ def test_layerdrop_with_python_random_leaves_the_generators_as_eager_does():
     random.seed(0)
     np.random.seed(0)
     with torch.no_grad():
-        calls(fast, x)  # warm-up (eager), recording call (capture's runs undone, then a replay), replay
+        calls(fast, x)  # warm-up (eager), recording call (refused: capture's runs undone, then eager), eager
         after = random.random(), float(np.random.rand())
         random.seed(0)
         np.random.seed(0)
-        model(x)  # the one run of the model's Python the three calls made
+        for _ in range(3):
+            model(x)
     assert (random.random(), float(np.random.rand())) == after
+    assert fast.stats()["graph_runs"] == 0
 
 
 # ---- 7. moves through module APIs -----------------------------------------------------------------

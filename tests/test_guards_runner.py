@@ -17,6 +17,7 @@ from torch import nn
 
 from graphrt import GraphRunner
 from graphrt.guards import StaleStateError
+from graphrt.guards.torch_settings import FP32_PRECISION as FP32_PRECISION_NAMES
 
 
 class DropoutModel(ToyPagedModel):
@@ -124,15 +125,21 @@ def test_a_field_sharing_memory_with_written_state_runs_eagerly():
     assert runner.stats()["eager_reasons"] == {"aliased_inputs": 1}
 
 
-def test_debug_mode_names_a_parameter_whose_memory_was_swapped():
-    """cudagraph trees test_unstable_ptr: ``.data`` swapped after capture; a CUDA graph reads the old memory."""
+def test_a_parameter_whose_memory_was_swapped_runs_eagerly_and_debug_names_a_swap_no_api_told_of():
+    """cudagraph trees test_unstable_ptr: ``.data`` swapped after capture; a CUDA graph reads the old memory.
+    The swap is seen (issue 49): eager, ``module_moved``. A swap past every Python API (torch's C method
+    itself) is seen by debug mode's per-call storage check."""
     model = ToyPagedModel()
     runner = captured_runner(model, debug=True)
     model.proj.data = torch.randn_like(model.proj)
-    with pytest.raises(StaleStateError, match="ToyPagedModel.proj"):
-        runner(decode_batch(4))
+    assert torch.equal(runner(decode_batch(4)), eager_step(copy.deepcopy(model), decode_batch(4)))
+    assert runner.stats()["eager_reasons"] == {"module_moved": 1}
     runner.recapture()
     assert torch.equal(runner(decode_batch(4)).clone(), eager_step(copy.deepcopy(model), decode_batch(4)))
+    with torch.no_grad():
+        torch._C.TensorBase.set_(model.proj, torch.randn_like(model.proj))
+    with pytest.raises(StaleStateError, match="ToyPagedModel.proj"):
+        runner(decode_batch(4))
 
 
 def test_a_step_rebinding_model_state_is_refused_and_capture_restores_it():
@@ -160,14 +167,15 @@ class ZerosModel(ToyPagedModel):
 SETTINGS = {  # a setting torch.compile's global-state guard also reads: (change it, put it back, named as)
     "default dtype": (lambda: torch.set_default_dtype(torch.float64), lambda: torch.set_default_dtype(torch.float32),
                       "default dtype"),
-    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("high"),
-                                 lambda: torch.set_float32_matmul_precision("highest"), "float32 matmul precision"),
+    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("high"), lambda: None,
+                                 "torch.backends.cuda.matmul.fp32_precision"),
     "deterministic algorithms": (lambda: torch.use_deterministic_algorithms(True),
                                  lambda: torch.use_deterministic_algorithms(False), "deterministic algorithms"),
-    # torch sets the float32 matmul precision with it ("high"), named first
-    "allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
-                   lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False), "float32 matmul precision"),
+    # torch stores both as the CUDA matmul's fp32 precision (torch >= 2.9)
+    "allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True), lambda: None,
+                   "torch.backends.cuda.matmul.fp32_precision"),
 }
+FP32_PRECISION = [pair for pair, _ in FP32_PRECISION_NAMES]  # torch's store: the legacy setters write it too
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -178,12 +186,15 @@ def test_a_torch_setting_changed_after_capture_runs_eagerly_until_it_is_back(set
     runner = captured_runner(model)
     reference = copy.deepcopy(model)
     batch = decode_batch(4)
+    precision = {pair: torch._C._get_fp32_precision_getter(*pair) for pair in FP32_PRECISION}
     change()
     try:
         with torch.no_grad():
             out, expected = runner(batch), eager_step(reference, batch)
     finally:
         restore()
+        for pair, value in precision.items():  # as it was, "none" included
+            torch._C._set_fp32_precision_setter(*pair, value)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
     stats = runner.stats()
     assert stats["eager_reasons"] == {"python_state": 1} and stats["graph_runs"] == 0

@@ -59,3 +59,27 @@ def test_importing_graphrt_and_its_hugging_face_front_does_not_import_transforme
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# The layers of a key's machinery, bottom first: a module of one imports none of a layer above it (issue 49,
+# item 10). A capture-time check that needs capture and the guards lives beside capture, above them all.
+LAYERS = ("graphrt.backends", "graphrt.layout", "graphrt.guards")
+
+
+def upward_imports(graph: dict) -> list:
+    """``(module, imported)`` where a module of one layer imports one of a layer above it."""
+    def layer(name: str) -> int:
+        return next((index for index, prefix in enumerate(LAYERS) if name == prefix or name.startswith(prefix + ".")), -1)
+
+    return sorted((name, target) for name, targets in graph.items() for target in targets
+                  if layer(name) >= 0 and layer(target) > layer(name))
+
+
+def test_backends_layout_and_guards_stand_one_above_another():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = import_graph()
+    graph["graphrt.backends.base"] = graph["graphrt.backends.base"] | {"graphrt.guards.epoch"}
+    assert ("graphrt.backends.base", "graphrt.guards.epoch") in upward_imports(graph)

@@ -1,4 +1,4 @@
-"""Tensors a step reads from outside its arguments (graphrt.backends.outside_reads).
+"""Tensors a step reads from outside its arguments (graphrt.outside_reads).
 
 nano-vllm's attention reads ``slot_mapping``, ``context_lens`` and ``block_tables`` from a module
 global set before every step (``utils/context.py``: ``set_context``/``get_context``), as vLLM's

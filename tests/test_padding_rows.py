@@ -1,4 +1,4 @@
-"""Padding rows never touch live state (graphrt.layout.padding_rows).
+"""Padding rows never touch live state (graphrt.padding_rows).
 
 wrap() pads a call's arguments up to the next capture size. A padding row that writes state (a
 paged KV store at ``slot_mapping``, whose padding rows hold slot 0) would overwrite a live

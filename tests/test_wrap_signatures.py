@@ -80,7 +80,9 @@ def test_streaming_with_the_state_passed_back_in(kind):
             expected_out, expected_state = module(chunk, expected_state)
             assert_same((out, state), (expected_out, expected_state))
     stats = fast.stats()
-    assert stats["graph_runs"] == 5 and stats["eager_reasons"] == {"warmup": 1}, stats
+    # the first state is contiguous, the ones passed back are cut from a graph's output (the batch dim
+    # inside): a layout each, a warm-up each (a layout recorded on contiguous calls never replays a strided one)
+    assert stats["graph_runs"] == 4 and stats["eager_reasons"] == {"warmup": 2}, stats
     state_paths = [path for path in stats["arg_layout"] if path.startswith("args[1]")]
     assert state_paths and all(stats["arg_layout"][path] == "dim 1" for path in state_paths)
 

@@ -67,6 +67,11 @@ def backing_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has memory of its own layout (a sparse or nested tensor's lives in the tensors it holds)."""
+    return torch._C._has_storage(tensor)
+
+
 def storage_key(tensor: torch.Tensor) -> Tuple[torch.device, int]:
     """Identity of a tensor's memory: two tensors with the same key are views of one allocation."""
     return tensor.device, tensor.untyped_storage().data_ptr()
@@ -95,9 +100,11 @@ def allocated_storages(
     input's storage: a step that writes that copy in place writes a temporary, not state."""
     if all(result.alias_info is not None and result.alias_info.is_write for result in func._schema.returns):
         return  # in-place and out= results are an input's memory
-    inputs = {storage_key(arg) for arg in tree_leaves((args, kwargs)) if isinstance(arg, torch.Tensor)}
+    inputs = {storage_key(arg) for arg in tree_leaves((args, kwargs))
+              if isinstance(arg, torch.Tensor) and has_storage(arg)}
     for result in tree_leaves(output):
-        if isinstance(result, torch.Tensor) and result.numel() and storage_key(result) not in inputs:
+        if isinstance(result, torch.Tensor) and result.numel() and has_storage(result) and (
+                storage_key(result) not in inputs):
             yield storage_key(result)
 
 
@@ -261,7 +268,7 @@ class StateJournal(TorchDispatchMode):
         for generator in passed_generators(func, args, kwargs):
             self.generators.save(generator)
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and has_storage(leaf):
                 key = storage_key(leaf)
                 if key not in self._fresh:
                     self.touched.add(key[1])

@@ -28,7 +28,7 @@ from graphrt.check.names import ObjectGraph
 from graphrt.backends.state_journal import storage_key
 from graphrt.check.recording import Recording, ScanRecorder, Step, record, source_text
 from graphrt.check.report import CheckReport, Finding
-from graphrt.layout.padding_rows import find_padding_write, fix_for
+from graphrt.padding_rows import find_padding_write, fix_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class CheckSession:
     def compare_padding_writes(self, real: Step, padded: Step, rows: int, size: int,
                                scratch: Set[Tuple[torch.device, int]]) -> None:
         """Add a finding when the padding rows write state the real rows' step does not (wrap() would
-        record exact sizes; graphrt.layout.padding_rows): the op, the line, the tensor and the fix."""
+        record exact sizes; graphrt.padding_rows): the op, the line, the tensor and the fix."""
         inputs = {storage_key(tensor): name for step in (real, padded) for name, tensor in step.inputs.items()
                   if tensor.numel()}
 

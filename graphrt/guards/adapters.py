@@ -24,14 +24,16 @@ from graphrt.guards.epoch import bump_after
 _done: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
+def is_adapter_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a PEFT tuner layer (``peft`` imported)."""
+    base = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
+    return base is not None and isinstance(module, base)
+
+
 def watch_adapter_layers(modules: Sequence[torch.nn.Module], ran: Callable[[types.CodeType], bool]) -> None:
     """Make the adapter API of the PEFT layers among ``modules`` bump the epoch; ``ran(code)``:
     whether the step ran that code (such methods stay as they are)."""
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
-    base = getattr(tuners, "BaseTunerLayer", None)
-    if base is None:
-        return
-    for cls in {type(module) for module in modules if isinstance(module, base)}:
+    for cls in {type(module) for module in modules if is_adapter_layer(module)}:
         if cls in _done:
             continue
         _done.add(cls)

@@ -22,6 +22,7 @@ import torch
 from graphrt.backends.source_lines import model_source_line
 from graphrt.guards import epoch
 from graphrt.guards.observe import Observation, observe
+from graphrt.guards.step_writes import StepWrites
 from graphrt.layout.rebind_guard import RebindError, RebindGuard, advice, differs, owned_by
 from graphrt.layout.tensor_tree import is_plain_constant
 
@@ -96,18 +97,22 @@ class AssignmentJournal:
 
 
 @contextmanager
-def python_state_kept(roots: Sequence[Tuple[str, Any]]) -> Iterator[None]:
-    """A run of a step for capture: the bindings of ``roots`` it changed (RebindGuard) and every
-    attribute it assigned (AssignmentJournal) are put back, and refused (RebindError)."""
-    with RebindGuard(roots) as rebinding, AssignmentJournal(rebinding.paths()):
-        yield
+def python_state_kept(roots: Sequence[Tuple[str, Any]], fn: Any = None) -> Iterator[StepWrites]:
+    """A run of a step for capture: the bindings of ``roots`` it changed (RebindGuard), every attribute
+    it assigned (AssignmentJournal) and the class attributes, helper objects and containers of the model's
+    own code it wrote (StepWrites; ``fn``: the wrapped callable, whose globals and closure count) are put
+    back, and refused (RebindError)."""
+    with RebindGuard(roots) as rebinding, AssignmentJournal(rebinding.paths()), StepWrites(roots, fn) as writes:
+        yield writes
 
 
-def observed_run(step: Callable[[], Any], roots: Sequence[Tuple[str, Any]]) -> Tuple[Any, Observation]:
+def observed_run(step: Callable[[], Any], roots: Sequence[Tuple[str, Any]], fn: Any = None) -> Tuple[Any, Observation]:
     """``python_state_kept`` around one run of ``step``, observed (graphrt.guards.observe): a global
-    it read and then rebound is put back and refused too."""
-    with python_state_kept(roots):
+    it read and then rebound is put back and refused too, and a step drawing from a host generator."""
+    with python_state_kept(roots, fn) as writes:
         result, observation = observe(step)
+        writes.observation = observation  # a refused write is named with its line
+        observation.refuse_host_draws()
         observation.refuse_assigned_globals()
     return result, observation
 

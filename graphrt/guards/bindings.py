@@ -27,6 +27,7 @@ import torch
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import Change, watch, watch_class
 from graphrt.guards.live_checks import Same
+from graphrt.guards.staged_tensors import TensorStaging
 
 MAX_DEPTH = 4  # containers followed below an object argument, as RebindGuard
 _MISSING = object()
@@ -60,31 +61,40 @@ class Bindings:
         self._by_owner: Dict[int, List[Link]] = {}
         for link in self.gated:
             self._by_owner.setdefault(link.owner, []).append(link)
+        self._by_tensor: Dict[int, List[Tuple[Link, Tuple[int, torch.dtype, torch.device]]]] = {}
+        for link, where in self._tensors:  # a tensor's memory swapped (.data = other) bumps naming the tensor
+            watch(link.expected)
+            self._by_tensor.setdefault(id(link.expected), []).append((link, where))
 
-    def rebound(self, changes: Optional[Iterable[Change]] = None) -> Optional[Tuple[str, str]]:
+    def rebound(self, changes: Optional[Iterable[Change]] = None,
+                staging: Optional[TensorStaging] = None) -> Optional[Tuple[str, str]]:
         """``(reason, words)`` for the first link held by a module or watched object that now holds
         another object, or a tensor moved (dtype, device, memory), else None: every link, or, given
         ``changes`` (``(id, aspect)``), those of the objects they name (by attribute name when the aspect
-        is one)."""
+        is one). A tensor rebound to one ``staging`` accepts is staged, not a change."""
         if changes is None:
-            return self._rebound(self.gated, self._tensors)
+            return self._rebound(self.gated, self._tensors, staging)
         named: List[Link] = []
+        swapped: List[Tuple[Link, Tuple[int, torch.dtype, torch.device]]] = []
         for owner, aspect in changes:
             links = self._by_owner.get(owner)
             if links:
                 named += [link for link in links if link.key == aspect or not isinstance(aspect, str)
                           or aspect.startswith("__")]  # ALL, HOOKS, __class__: every link of the object
-        if not named:
+            swapped += self._by_tensor.get(owner, ())
+        if not named and not swapped:
             return None
         where = self._where
-        return self._rebound(named, [(link, where[id(link)]) for link in named if id(link) in where])
+        return self._rebound(named, [*((link, where[id(link)]) for link in named if id(link) in where), *swapped],
+                             staging)
 
     @staticmethod
-    def _rebound(gated: Sequence[Link], tensors: Sequence[Tuple[Link, Tuple[int, torch.dtype, torch.device]]]
-                 ) -> Optional[Tuple[str, str]]:
+    def _rebound(gated: Sequence[Link], tensors: Sequence[Tuple[Link, Tuple[int, torch.dtype, torch.device]]],
+                 staging: Optional[TensorStaging]) -> Optional[Tuple[str, str]]:
         for link in gated:
             bound = _bound(link)
-            if bound is not link.expected:
+            if bound is not link.expected and not (staging is not None and staging.accept(
+                    (link.owner, link.key), link.expected, bound, functools.partial(_bound, link))):
                 return rebound(link.path, link.expected, bound)
         for link, (address, dtype, device) in tensors:
             tensor = link.expected

@@ -6,10 +6,11 @@ on every call would cost O(model depth); instead graphrt patches the APIs that c
 ``EPOCH`` (``Module.train``/``eval``, ``_apply`` (``to``, ``half``, ``double``, ``cuda``, ...),
 ``Module.__setattr__``/``__delattr__`` of any value, parameter, buffer and submodule registration,
 forward hook registration and ``RemovableHandle.remove`` (module and global), the containers'
-mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), ``__setattr__``
+mutators (``ModuleList.insert``/``pop``/..., which write ``_modules`` directly), a watched tensor's
+memory swapped (``.data = other``, ``set_``, ``torch.utils.swap_tensors``), ``__setattr__``
 of the plain classes whose objects a guard reads through (``watch_class``), and the setters of
-torch's global settings (``torch.set_default_dtype``, ``set_float32_matmul_precision``, ...)), so a key re-reads its
-state only after the epoch moved: one integer compare per call otherwise.
+torch's global settings (graphrt.guards.torch_settings)), so a key re-reads its state only after the epoch moved:
+one integer compare per call otherwise.
 
 While an ``AssignmentJournal`` is active (a step being captured), the same patches report every
 attribute assignment to it before it happens (graphrt.guards.assignments).
@@ -29,13 +30,16 @@ own per-step path assigns to a watched object.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Hashable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from graphrt.guards.torch_settings import patch_setters
 
 # The epoch (a list: one cell, read by index on every call): a new value from ``_tickets`` after every
 # change, never one it held before (two threads bumping at once cannot bring an old value back).
@@ -67,7 +71,7 @@ CHANGES: List[Change] = []
 ALL = Aspect("ALL")  # the whole object may have changed (``_apply``, a container mutator, an adapter's API)
 HOOKS = Aspect("HOOKS")  # a forward hook registered or removed (the id: the module, or the hook dict it was in)
 TRAINING = "training"  # ``train()``/``eval()``: the attribute it sets
-SETTINGS = -2  # the id of torch's global settings (graphrt.guards.python_state.torch_settings)
+SETTINGS = -2  # the id of torch's global settings (graphrt.guards.torch_settings)
 GLOBAL_HOOKS = -3  # the id of the global forward hooks (register_module_forward_hook)
 MAX_CHANGES = 4096  # past this, the older half is dropped; a key that had not read it reads everything
 _changes_base = [0]  # how many changes were dropped from the front of CHANGES
@@ -82,6 +86,27 @@ class _ActiveJournal(threading.local):
 
 
 JOURNAL = _ActiveJournal()
+
+
+class _Quiet(threading.local):
+    """How deep this thread is in ``unbumped`` blocks."""
+
+    depth = 0
+
+
+_QUIET = _Quiet()
+
+
+@contextmanager
+def unbumped() -> Iterator[None]:
+    """Assignments this thread makes inside bump nothing: for graphrt's own set-and-restore of a watched
+    object's attribute around a call it makes (an engine switching the model config's attention
+    implementation for each step and back), which leaves the object as it was for the next check."""
+    _QUIET.depth += 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
 _compiling = torch.compiler.is_compiling
 _installed: List[Any] = []
 # Container methods that change which modules or parameters a container holds; several write
@@ -93,9 +118,6 @@ CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict, tor
 # Module methods that bump, and the aspect of the module they change.
 MODULE_METHODS = {"train": TRAINING, "_apply": ALL, "register_forward_hook": HOOKS, "register_forward_pre_hook": HOOKS}
 GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook")
-# torch's global settings a step computes under (graphrt.guards.python_state.torch_settings): their setters bump.
-SETTING_FUNCTIONS = ("set_default_dtype", "set_default_tensor_type", "set_default_device",
-                     "set_float32_matmul_precision", "use_deterministic_algorithms")
 _watched_classes: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
@@ -192,7 +214,7 @@ def _removing(original: Callable[..., None]) -> Callable[..., None]:
 def _assigned(obj: Any, name: str) -> None:
     """An attribute of ``obj`` was assigned or deleted: a bump when some key reads it."""
     key = id(obj)
-    if key in WATCHED and not _compiling():
+    if key in WATCHED and not _compiling() and not _QUIET.depth:
         names = WATCHED_NAMES.get(key)
         if names is None or name in names:
             bump(key, name)
@@ -264,10 +286,8 @@ def install() -> None:
     for name in GLOBAL_HOOK_FUNCTIONS:
         setattr(hooks, name, _bumping(getattr(hooks, name), HOOKS, GLOBAL_HOOKS))
     RemovableHandle.remove = _removing(RemovableHandle.remove)  # type: ignore[method-assign]
-    for name in SETTING_FUNCTIONS:
-        setattr(torch, name, _bumping(getattr(torch, name), ALL, SETTINGS))
-    matmul = type(torch.backends.cuda.matmul)  # torch.backends.cuda.matmul.allow_tf32 = ...
-    matmul.__setattr__ = _bumping(matmul.__setattr__, ALL, SETTINGS)  # type: ignore[method-assign]
+    patch_setters(lambda setter: _bumping(setter, ALL, SETTINGS))
+    _patch_storage_swaps()
 
     def registered(module: torch.nn.Module, name: str, *_: Any) -> None:  # register_parameter/buffer/module
         _assigned(module, name)
@@ -275,6 +295,43 @@ def install() -> None:
     _installed.extend([hooks.register_module_parameter_registration_hook(registered),
                        hooks.register_module_buffer_registration_hook(registered),
                        hooks.register_module_module_registration_hook(registered)])
+
+
+def _patch_storage_swaps() -> None:
+    """``tensor.data = other``, ``tensor.set_(...)`` and ``torch.utils.swap_tensors`` give a tensor other
+    memory without an assignment to its holder (a graph goes on reading the old; cudagraph trees'
+    ``test_unstable_ptr``): a watched tensor's swap bumps, naming it (aspect ``data``). The ``data``
+    property reads as torch's own, through its getter."""
+    data = torch._C.TensorBase.data
+
+    def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+        data.__set__(tensor, value)
+        _swapped(tensor)
+
+    torch.Tensor.data = property(data.__get__, set_data, doc=data.__doc__)  # type: ignore[assignment]
+    set_ = torch._C.TensorBase.set_
+
+    @functools.wraps(set_)
+    def set_storage(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = set_(tensor, *args, **kwargs)
+        _swapped(tensor)
+        return result
+
+    torch.Tensor.set_ = set_storage  # type: ignore[method-assign]
+    swap = torch.utils.swap_tensors
+
+    @functools.wraps(swap)
+    def swap_tensors(first: torch.Tensor, second: torch.Tensor) -> None:
+        swap(first, second)
+        _swapped(first)
+        _swapped(second)
+
+    torch.utils.swap_tensors = swap_tensors
+
+
+def _swapped(tensor: torch.Tensor) -> None:
+    if not _compiling() and id(tensor) in WATCHED:
+        bump(id(tensor), "data")
 
 
 def watch_class(cls: type) -> bool:

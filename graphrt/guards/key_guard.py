@@ -10,8 +10,12 @@ wrapped object. Checked on every call that would replay the key, in this order:
    submodules, hooks, parameters and their dtypes, devices and memory), of the objects it read, and
    of the links it reached its tensors and modules through (graphrt.guards.python_state,
    graphrt.guards.bindings): one attribute assigned costs one attribute's re-read, whatever the depth;
+   a tensor the step only reads, rebound to one of its kind, is staged into the captured one instead
+   (graphrt.guards.staged_tensors: one copy per call while it is);
 3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
-   step's own code reads, the lists and dicts it reached tensors or modules through;
+   step's own code reads, the lists and dicts it reached tensors or modules through; and the dicts it
+   reads in place by version (graphrt.guards.in_place): the class dicts of the lookups through classes
+   it made (graphrt.guards.class_state);
 4. aliasing, only for a step that writes memory: no staged argument shares memory with another
    when the step writes one of its inputs, nor with state the step reads or writes (a replay
    reads each argument from its own static slot, where eager would see the write through the alias).
@@ -22,6 +26,7 @@ call eagerly with that reason, or, for ``wrap()``, gives it graphs of its own.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -31,11 +36,16 @@ import torch
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.bindings import Bindings, find_bindings
+from graphrt.guards.class_state import class_reads, step_lookups
+from graphrt.guards.context_reads import ContextVariables, Environment, ThreadLocal
 from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
+from graphrt.guards.in_place import Contents, Versioned
 from graphrt.guards.live_checks import Same, global_checks
 from graphrt.guards.observe import Observation, entry_functions, entry_roots, functions_that_ran
 from graphrt.guards.python_state import PythonState
+from graphrt.guards.read_objects import step_reads
+from graphrt.guards.staged_tensors import TensorStaging
 
 # The caller's tensors a call stages (None where an optional field is unset), read from the call.
 Sources = Callable[[Any], Sequence[Optional[torch.Tensor]]]
@@ -95,15 +105,22 @@ class KeyGuard:
     state: Any  # the StateWatch token at capture
     bindings: Bindings
     python: PythonState
-    live: Tuple[Same, ...]  # compared on every call
+    live: Tuple[Any, ...]  # compared on every call: Same, Versioned, ContextVariables, ThreadLocal
     touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
     epoch: int  # the state epoch the Python state was last seen unchanged at
     position: int  # where the changes after that begin (graphrt.guards.epoch.changes_since)
+    staging: TensorStaging  # tensors rebound where the step reads them, copied into the captured ones per call
 
     def __post_init__(self) -> None:
-        self._holds = tuple(check.check() for check in self.live)  # bound once: one call per check per call
+        # bound once: one call per check per call, and one tuple compare for all that compare two objects
+        pairs = [check.equality() for check in self.live]
+        equal = [pair for pair in pairs if pair is not None]
+        self._holds = (*([functools.partial(operator.eq, tuple(live for live, _ in equal),
+                                            tuple(expected for _, expected in equal))] if equal else []),
+                       *(check.check() for check, pair in zip(self.live, pairs) if pair is None))
+        self.failure = self._checker()  # the per-call check (``_checker``)
 
     @classmethod
     def capture(cls, spec: GuardSpec, observation: Optional[Observation], touched: Set[int], written: Set[int],
@@ -126,41 +143,80 @@ class KeyGuard:
                          if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__")]
         ran = {id(module) for module in modules}
         holders = [module for module in bindings.modules if id(module) not in ran]  # a ModuleList the step iterated
-        python = PythonState([*modules, *holders], [(name, obj) for name, obj in plain_objects if watch_class(type(obj))],
-                             [*objects, *entry, *values])
-        unwatched = [Same.items(vars(obj), list(vars(obj)), [f"{name}.{key}" for key in vars(obj)])
-                     for name, obj in plain_objects if not watch_class(type(obj)) and vars(obj)]
         functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
+        reads = step_reads(observation, plain_objects, entry, spec.fn, functions)
+        read_objects = [*plain_objects, *reads.objects]
+        names = frozenset(observation.attribute_names())  # an object the step read counts for these attributes
+        python = PythonState([*modules, *holders, *reads.submodules],
+                             [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
+                             [*objects, *entry, *values], {id(obj): names for _, obj in reads.objects})
+        compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
+        # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
+        # and the attributes of objects whose class cannot tell of an assignment (a C type)
+        in_place = Versioned([*class_reads(step_lookups(observation)),
+                              *(Contents(container, path) for path, container in reads.containers
+                                if id(container) not in compared),
+                              *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj))),
+                              *([Environment(observation.environment)] if observation.environment else [])])
+        context = ContextVariables(observation.context_variables)
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
-                *bindings.live, *unwatched)
+                *bindings.live, *([in_place] if in_place else []), *([context] if context else []),
+                *(ThreadLocal(local, path) for path, local in reads.thread_locals))
         watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
         return cls(spec.watch, spec.watch.token(), bindings, python, live, state_memory,
-                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position)
+                   bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position,
+                   TensorStaging(touched - own, written_state))
 
-    def failure(self, state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
-        """None when the key may serve ``call`` made under ``state`` (a ``StateWatch`` token), whose
-        staged tensors are ``sources(call)`` (read only when the step writes memory); else why not.
-        ``check_storage`` (debug mode): raise StaleStateError for a tensor whose memory was swapped."""
-        if state is not self.state and state != self.state:
-            return GuardFailure(*self.watch.difference(self.state, state))
-        if EPOCH[0] != self.epoch:
-            failure = self.state_failure()
-            if failure is not None:
-                return failure
-        for holds in self._holds:
-            if not holds():
-                return next(GuardFailure(*check.change()) for check in self.live if not check.holds())
-        if self.check_aliases:
-            tensors = sources(call)
-            if self.check_pairs or self._shares_state(tensors):
-                failure = self._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None])
-                if failure is not None:
-                    return failure
-        if check_storage:
-            self.check_storage()
-        return None
+    def _checker(self) -> Callable[..., Optional[GuardFailure]]:
+        """``failure(state, sources, call, check_storage=False)``: None when the key may serve ``call`` made
+        under ``state`` (a ``StateWatch`` token), whose staged tensors are ``sources(call)`` (read only when
+        the step writes memory); else why not. ``check_storage`` (debug mode): raise StaleStateError for a
+        tensor whose memory was swapped. A closure over the key's constants: the per-call path loads no
+        attribute but the epoch seen last."""
+        captured, holds_all, touched, staging = self.state, self._holds, self.touched, self.staging
+        check_aliases, check_pairs, guard = self.check_aliases, self.check_pairs, self
+
+        def failure(state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
+            if state is not captured and state != captured:
+                return GuardFailure(*guard.watch.difference(captured, state))
+            if EPOCH[0] != guard.epoch:
+                changed = guard.state_failure()
+                if changed is not None:
+                    return changed
+            held = True
+            try:
+                for holds in holds_all:
+                    if not holds():
+                        held = False
+                        break
+            except RuntimeError:  # a tensor put where a plain value was: its == raised
+                held = False
+            if not held:  # changed, or (a dict compared by copy) written with what it held
+                changed = next((GuardFailure(*check.change()) for check in guard.live if not check.holds()), None)
+                if changed is not None:
+                    return changed
+            if check_aliases:
+                tensors = sources(call)
+                shares = check_pairs
+                if not shares:  # whether a staged tensor's memory is state the step reads or writes
+                    for tensor in tensors:
+                        if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                            shares = True
+                            break
+                if shares:
+                    changed = guard._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors
+                                              if tensor is not None])
+                    if changed is not None:
+                        return changed
+            if check_storage:
+                guard.check_storage()
+            if staging.pairs:
+                staging.stage()
+            return None
+
+        return failure
 
     def state_failure(self) -> Optional[GuardFailure]:
         """The Python state and bindings read again (after the epoch moved), as far as the changes
@@ -168,7 +224,7 @@ class KeyGuard:
         epoch is remembered: nothing is read again until it moves)."""
         now = EPOCH[0]
         end, changes = changes_since(self.position)
-        change = self.bindings.rebound(changes) or self.python.change(changes)
+        change = self.bindings.rebound(changes, self.staging) or self.python.change(changes, self.staging)
         if change is not None:
             return GuardFailure(*change)
         self.epoch, self.position = now, end
@@ -177,21 +233,12 @@ class KeyGuard:
     def holds_now(self) -> bool:
         """Whether the Python state of now is this key's (its state read again, its live checks),
         the call's tensors aside: a front looking for graphs of the state it is back in."""
-        return self.state_failure() is None and all(holds() for holds in self._holds)
+        return self.state_failure() is None and all(check.holds() for check in self.live)
 
     def reads_grad(self) -> bool:
         """Whether a tensor the step read through its bindings requires grad now (grad-mode calls:
         ``requires_grad`` is set by assignment as often as by ``requires_grad_()``, so it is read)."""
         return any(map(_requires_grad, self.bindings.tensors))
-
-    def _shares_state(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Whether a staged tensor's memory is state the step reads or writes (a loop that stops at
-        the first: no list built on the common path)."""
-        touched = self.touched
-        for tensor in tensors:
-            if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
-                return True
-        return False
 
     def _aliased(self, memory: List[int]) -> Optional[GuardFailure]:
         """Why staged tensors at ``memory`` (their storages' addresses) cannot be staged apart, else None."""

@@ -62,6 +62,11 @@ class Same:
         names = [f"{name} (closure of {function.__qualname__})" for name in function.__code__.co_freevars]
         return cls(function.__closure__, _cells, names, "{}")
 
+    def equality(self) -> Optional[Tuple[Any, Any]]:
+        """``(live, expected)`` when the check is ``live == expected`` (a whole list of plain values or
+        modules), so that a guard compares all such checks in one tuple compare; else None."""
+        return (self.source, self.expected) if self.get is None and self.by_equality else None
+
     def check(self) -> Callable[[], bool]:
         """A callable of no argument that says whether the check holds: for a whole list compared by
         equality, ``list == copy`` itself (no Python frame per call), else ``holds``."""
@@ -79,7 +84,10 @@ class Same:
             except (KeyError, IndexError, ValueError):  # an entry deleted, an emptied cell
                 return False
         if self.by_equality:
-            return now == self.expected
+            try:
+                return now == self.expected
+            except RuntimeError:  # a tensor put where a plain value was: its == raised
+                return False
         return len(now) == len(self.expected) and all(map(_is, now, self.expected))
 
     def change(self) -> Tuple[str, str]:
@@ -92,7 +100,7 @@ class Same:
             return "rebound_state", f"{self.what.format(self.names[0] if self.names else '?')}: an entry was added " \
                                     "or removed since capture"
         for name, value, then in zip(self.names, now, self.expected):
-            if value is then or self.by_equality and value == then:
+            if value is then or self.by_equality and is_plain_constant(value) and value == then:
                 continue
             words = self.what.format(name)
             if is_plain_constant(then) and is_plain_constant(value):

@@ -10,23 +10,30 @@ objects through which a later call reaches those modules, whose bindings the gua
 
 from __future__ import annotations
 
+import collections.abc
+import contextvars
 import dis
 import functools
 import logging
 import os
+import random
 import sys
 import sysconfig
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from graphrt.backends.base import StepRefusal
 from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
+from graphrt.guards.reads import attribute_names, global_attributes
 from graphrt.layout.rebind_guard import RebindError
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_ENVIRON_GETITEM = os._Environ.__getitem__.__code__  # type: ignore[attr-defined]
+_ENVIRON_FILES = (os.__file__, collections.abc.Mapping.get.__code__.co_filename)  # between a read and its caller
 # Installed libraries and the standard library: their module globals are frozen at capture, like
 # torch's (a per-call check of every global transformers reads would cost more than it could catch).
 _LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.realpath(path), "") for name in ("stdlib", "platstdlib", "purelib",
@@ -35,6 +42,10 @@ _LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.realpath(path), "") for name 
 _MISSING = object()
 MAX_CHAIN = 4  # wrappers followed from the wrapped callable (partial of a bound method of ...)
 logger = logging.getLogger(__name__)
+
+
+class HostRandomError(StepRefusal):
+    """The step draws from Python's ``random`` or numpy's generators: no graph can hold it."""
 _warned_profiler = False
 
 
@@ -55,6 +66,24 @@ class Observation:
     bound: Set[Tuple[int, str]] = field(default_factory=set)  # the globals the step rebound
     # torch.compile'd callables the step called, however reached: (OptimizeContext, the compiled callable)
     compiled_calls: List[Tuple[Any, Any]] = field(default_factory=list)
+    # per module class, the methods that ran on a module of it (what they read through self: graphrt.guards.reads)
+    self_codes: Dict[type, Set[types.CodeType]] = field(default_factory=dict)
+    # the lines that ran, per method and per function of user code (None: not traced, under a debugger's tracer)
+    lines: Optional[Dict[types.CodeType, Set[int]]] = None
+    # the context variables the model's own code read (ContextVar.get) and the environment variables read
+    context_variables: List[contextvars.ContextVar] = field(default_factory=list)
+    environment: Set[str] = field(default_factory=set)
+    host_draws: List[str] = field(default_factory=list)  # draws from Python's or numpy's generators, with their line
+
+    def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
+        """The lines of ``code`` that ran, or None when they were not traced (any may have)."""
+        return None if self.lines is None else self.lines.get(code, set())
+
+    def attribute_names(self) -> Set[str]:
+        """The attribute names the code that ran loads (graphrt.guards.reads.attribute_names): on the lines
+        that ran where they were traced, anywhere in the code otherwise."""
+        traced = self.lines or {}
+        return set().union(*(attribute_names(code, traced.get(code)) for code in self.ran_codes))
 
     def ran(self, code: types.CodeType) -> bool:
         return code in self.ran_codes
@@ -68,13 +97,12 @@ class Observation:
 
     def globals_read(self) -> List[Tuple[Dict[str, Any], Tuple[str, ...]]]:
         """Per globals dict of the user code that ran, the names its code loads that are bound
-        there to data (not a Python module or a class: a rebound class leaves made objects alone),
-        but for those the step binds itself before reading them (a forward context set by the step:
-        its value before the call is not read)."""
+        there to data or a class (not a Python module), but for those the step binds itself before
+        reading them (a forward context set by the step: its value before the call is not read)."""
         names: Dict[int, Tuple[Dict[str, Any], Set[str]]] = {}
         for code, scope in self.codes.items():
             loaded = {name for name in _global_loads(code) if name in scope and not isinstance(
-                scope[name], (types.ModuleType, type)) and not self._bound_by_step(scope, name)}
+                scope[name], types.ModuleType) and not self._bound_by_step(scope, name)}
             if loaded:
                 names.setdefault(id(scope), (scope, set()))[1].update(loaded)
         return [(scope, tuple(sorted(loaded))) for scope, loaded in names.values()]
@@ -83,6 +111,15 @@ class Observation:
         """Whether the step stores ``name`` before reading it (seen by opcode; a use not traced counts as a read)."""
         key = (id(scope), name)
         return key in self.bound and self.global_uses[key][3]
+
+    def refuse_host_draws(self) -> None:
+        """A step that draws from Python's ``random`` or numpy's generators is refused (HostRandomError):
+        a graph replays the draws of its recording, where eager draws anew on every call."""
+        if self.host_draws:
+            raise HostRandomError(
+                f"the step draws from a host random generator ({', '.join(self.host_draws)}): a graph replays "
+                "the values its recording drew, where eager draws anew on every call. Draw with torch "
+                "(torch.rand, torch.bernoulli: each replay draws as eager would), or pass the draws as an argument")
 
     def refuse_assigned_globals(self) -> None:
         """A step that reads a global and then rebinds it (a counter ``COUNT += 1``) changes Python
@@ -110,7 +147,9 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         return _observe_modules(step)
     observation = Observation()
     seen: Set[int] = set()
-    modules, codes, all_codes = observation.modules, observation.codes, observation.ran_codes
+    modules, codes, all_codes, self_codes = (observation.modules, observation.codes, observation.ran_codes,
+                                             observation.self_codes)
+    context_variables, environment = observation.context_variables, observation.environment
     compile_wrappers, compiled_calls = compile_wrapper_codes(), observation.compiled_calls
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -127,13 +166,28 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
                     codes[code] = frame.f_globals
             if code is _CALL_IMPL or code.co_argcount and code.co_varnames[0] == "self":
                 module = frame.f_locals.get("self")
-                if isinstance(module, torch.nn.Module) and id(module) not in seen:
-                    seen.add(id(module))
-                    modules.append(module)
+                if isinstance(module, torch.nn.Module):
+                    self_codes.setdefault(type(module), set()).add(code)
+                    if id(module) not in seen:
+                        seen.add(id(module))
+                        modules.append(module)
+                elif code is _ENVIRON_GETITEM and _read_by_user_code(frame):  # os.environ[...], .get, os.getenv
+                    environment.add(frame.f_locals.get("key"))
+        elif event == "c_call":
+            target = getattr(arg, "__self__", None)
+            if type(target) is contextvars.ContextVar and arg.__name__ == "get" and is_user_file(
+                    frame.f_code.co_filename):
+                if not any(target is variable for variable in context_variables):
+                    context_variables.append(target)
+            elif isinstance(target, random.Random):
+                draw = _host_draw(frame, target, arg.__name__)
+                if draw is not None and draw not in observation.host_draws:
+                    observation.host_draws.append(draw)
         if outer is not None:
             outer(frame, event, arg)
 
     tracer = None if sys.gettrace() is not None else GlobalUses(observation)  # a debugger's tracer stays alone
+    numpy_before = _numpy_state()
     sys.setprofile(profile)
     if tracer is not None:
         sys.settrace(tracer.trace)
@@ -145,36 +199,105 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
         sys.setprofile(outer)
     observation.bound = {key for key, (scope, name, before, _) in observation.global_uses.items()
                          if scope.get(name, _MISSING) is not before}
+    if not _same_numpy_state(numpy_before, _numpy_state()):  # numpy's draws call no function a profiler sees
+        observation.host_draws.append("numpy.random (its global generator drew during the step)")
+    _include_cached_functions(observation)
     return result, observation
+
+
+def _numpy_state() -> Any:
+    """numpy's global generator's state, if numpy is imported."""
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
+
+
+def _same_numpy_state(before: Any, after: Any) -> bool:
+    if before is None or after is None:
+        return before is after
+    return before[2:] == after[2:] and bool((before[1] == after[1]).all())
+
+
+def _host_draw(frame: types.FrameType, generator: random.Random, function: str) -> Optional[str]:
+    """``random.random (model.py:12)`` for a draw the model's code made from a Python generator, else None
+    (torch's or graphrt's own)."""
+    caller: Optional[types.FrameType] = frame
+    while caller is not None and caller.f_code.co_filename == random.__file__:
+        caller = caller.f_back
+    if caller is None or not is_model_file(caller.f_code.co_filename):
+        return None
+    name = f"random.{function}" if generator is getattr(random, "_inst", None) else f"{type(generator).__name__}.{function}"
+    return f"{name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+
+
+def _read_by_user_code(frame: types.FrameType) -> bool:
+    """Whether the model's own code made this read of ``os.environ`` (through ``get``, ``getenv``, ``in``):
+    a library's reads are frozen like its globals."""
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename in _ENVIRON_FILES:
+        caller = caller.f_back
+    return caller is not None and is_user_file(caller.f_code.co_filename)
+
+
+def _include_cached_functions(observation: Observation) -> None:
+    """The model's own ``functools.lru_cache``'d functions the step's code calls, as code whose globals it
+    reads: a cache hit runs none of their Python, so the observed run may not have seen them (torch.compile
+    traces through the cache wrapper likewise); a global they read changed (after ``cache_clear()``) is a
+    change of the step's."""
+    pending = list(observation.codes.items())
+    while pending:
+        code, scope = pending.pop()
+        names = {*_global_loads(code), *(f"{owner}.{name}" for owner, name in global_attributes(code))}
+        for name in names:
+            owner, _, attribute = name.partition(".")
+            value = scope.get(owner, _MISSING)
+            if attribute:
+                value = getattr(value, attribute, _MISSING) if isinstance(value, types.ModuleType) else _MISSING
+            wrapped = getattr(value, "__wrapped__", None) if hasattr(value, "cache_clear") else None
+            if isinstance(wrapped, types.FunctionType) and is_user_file(wrapped.__code__.co_filename) and (
+                    wrapped.__code__ not in observation.codes):
+                observation.codes[wrapped.__code__] = wrapped.__globals__
+                pending.append((wrapped.__code__, wrapped.__globals__))
 
 
 class GlobalUses:
     """A tracer of the user code's global loads and stores, opcode by opcode, in the order they run:
     a global the step stores before it reads it (a forward context the step sets) is no input of
     the step; one it reads and then rebinds (a counter) is Python state a replay would not change.
-    Only frames of user code are traced opcode by opcode, and only during the observed run."""
+    Only frames of user code are traced opcode by opcode, and only during the observed run. It notes
+    the lines that ran of user code and of every method (what a replay froze is what those lines read:
+    graphrt.guards.reads)."""
 
     def __init__(self, observation: Observation) -> None:
         self.observation = observation
+        observation.lines = self._lines = {}
         self._uses: Dict[types.CodeType, Dict[int, Tuple[str, bool]]] = {}
 
     def trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or not is_user_file(frame.f_code.co_filename):
+        if event != "call":
             return None
         code = frame.f_code
+        if not is_user_file(code.co_filename):
+            return self._line if code.co_argcount and code.co_varnames[0] == "self" else None
         uses = self._uses.get(code)
         if uses is None:
             uses = self._uses[code] = _global_uses(code)
         if not uses:
-            return None
+            return self._line
         frame.f_trace_opcodes = True
         return self._opcode
+
+    def _line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self._lines.setdefault(frame.f_code, set()).add(frame.f_lineno)
+        return self._line
 
     def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
             use = self._uses[frame.f_code].get(frame.f_lasti)
             if use is not None:
                 self.observation.note_global_use(frame.f_globals, *use)
+        elif event == "line":
+            self._lines.setdefault(frame.f_code, set()).add(frame.f_lineno)
         return self._opcode
 
 

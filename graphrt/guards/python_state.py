@@ -14,12 +14,15 @@ whole of the one module an API changed.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+import functools
+from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.epoch import GLOBAL_HOOKS, HOOKS, SETTINGS, TRAINING, Change as Changed, watch
+from graphrt.guards.staged_tensors import TensorStaging
+from graphrt.guards.torch_settings import torch_settings
 from graphrt.layout.tensor_tree import is_plain_constant
 
 # A module's own bookkeeping (its tables and hook dicts), compared through ``module_state``'s
@@ -113,17 +116,20 @@ def global_hooks(keep: List[Any]) -> Tuple[Any, ...]:
     return tuple(frozen(tuple(getattr(_mod, name).items()), keep) for name in GLOBAL_HOOK_DICTS)
 
 
-def object_state(obj: Any, keep: List[Any]) -> Tuple[Any, ...]:
-    """``(class, attributes)`` of a plain object the step reads (an engine, an object argument)."""
+def object_state(obj: Any, keep: List[Any], names: Optional[AbstractSet[str]] = None) -> Tuple[Any, ...]:
+    """``(class, attributes)`` of a plain object the step reads (an engine, an object argument); ``names``:
+    only those attributes (the names the step's code loads)."""
     keep.append(type(obj))
-    return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items())
+    return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items()
+                            if names is None or name in names)
 
 
 class _Module:
     """One module's state at capture, and whether an aspect of it (an attribute's name, its hooks, its
-    ``training`` flag) still reads the same: the re-read after a bump that names it."""
+    ``training`` flag) still reads the same: the re-read after a bump that names it. A tensor rebound to
+    one the key can stage (graphrt.guards.staged_tensors) reads the same."""
 
-    __slots__ = ("module", "captured", "entries")
+    __slots__ = ("module", "captured", "entries", "tensors")
 
     def __init__(self, module: torch.nn.Module, keep: List[Any]) -> None:
         self.module = module
@@ -131,47 +137,99 @@ class _Module:
         _, _, plain, tensors, children, _ = self.captured
         self.entries = {**{name: (2, value) for name, value in plain}, **{name: (3, value) for name, value in tensors},
                         **{name: (4, value) for name, value in children}}
+        self.tensors = {name: _current(module, name) for name, _ in tensors}
 
-    def same(self, aspect: Any, keep: List[Any]) -> bool:
+    def same(self, aspect: Any, keep: List[Any], staging: Optional[TensorStaging] = None) -> bool:
         module = self.module
         if aspect == TRAINING:
             return module.training == self.captured[1]
         if aspect == HOOKS or aspect in HOOK_DICTS:
             return _module_hooks(module, keep) == self.captured[5]
         if not isinstance(aspect, str) or aspect.startswith("__") or aspect in _TABLES:  # ALL, __class__, __dict__
-            return module_state(module, keep) == self.captured
+            return self.matches(module_state(module, keep), staging)
         if aspect in MODULE_INTERNALS:  # a table of torch's own the state does not compare
             return True
-        return _module_entry(module, aspect, keep) == self.entries.get(aspect)
+        if _module_entry(module, aspect, keep) == self.entries.get(aspect):
+            if staging is not None and aspect in self.tensors:
+                staging.accept((id(module), aspect), self.tensors[aspect], self.tensors[aspect], _no_getter)
+            return True
+        return self._staged(aspect, staging)
+
+    def matches(self, now: Tuple[Any, ...], staging: Optional[TensorStaging]) -> bool:
+        """Whether ``now`` (``module_state``) reads as at capture, tensors the key stages aside."""
+        captured = self.captured
+        if now == captured:
+            return True
+        if staging is None or now[:3] != captured[:3] or now[4:] != captured[4:]:
+            return False
+        before, after = dict(captured[3]), dict(now[3])
+        return before.keys() == after.keys() and all(
+            before[name] == after[name] or self._staged(name, staging) for name in before)
+
+    def _staged(self, name: str, staging: Optional[TensorStaging]) -> bool:
+        """Whether the tensor at ``name``, rebound since capture, is one the key stages."""
+        captured, now = self.tensors.get(name), _current(self.module, name)
+        return staging is not None and captured is not None and now is not captured and staging.accept(
+            (id(self.module), name), captured, now, functools.partial(_current, self.module, name))
+
+
+def _current(module: torch.nn.Module, name: str) -> Any:
+    """What ``module`` holds at ``name``: a parameter, buffer or submodule, else its attribute."""
+    for table in (module._parameters, module._buffers, module._modules):
+        if name in table:
+            return table[name]
+    return vars(module).get(name)
+
+
+def _no_getter() -> None:
+    return None
 
 
 class _Object:
-    """One plain object's state at capture (``object_state``), re-read by attribute name after a bump."""
+    """One plain object's state at capture (``object_state``), re-read by attribute name after a bump;
+    a tensor attribute rebound to one the key can stage reads the same."""
 
-    __slots__ = ("name", "obj", "captured", "entries")
+    __slots__ = ("name", "obj", "names", "captured", "entries", "tensors")
 
-    def __init__(self, name: str, obj: Any, keep: List[Any]) -> None:
-        self.name, self.obj = name, obj
-        self.captured = object_state(obj, keep)
+    def __init__(self, name: str, obj: Any, keep: List[Any], names: Optional[AbstractSet[str]] = None) -> None:
+        self.name, self.obj, self.names = name, obj, names
+        self.captured = object_state(obj, keep, names)
         self.entries = dict(self.captured[1])
+        self.tensors = {key: value for key, value in vars(obj).items() if isinstance(value, torch.Tensor)}
 
-    def same(self, aspect: Any, keep: List[Any]) -> bool:
+    def state(self, keep: List[Any]) -> Tuple[Any, ...]:
+        return object_state(self.obj, keep, self.names)
+
+    def same(self, aspect: Any, keep: List[Any], staging: Optional[TensorStaging] = None) -> bool:
         if not isinstance(aspect, str) or aspect.startswith("__"):
-            return object_state(self.obj, keep) == self.captured
+            return self.matches(self.state(keep), staging)
+        if self.names is not None and aspect not in self.names:
+            return True  # an attribute the step's code never loads by name
         value = vars(self.obj).get(aspect, _REF)
-        return (value is _REF and aspect not in self.entries) or (
-            value is not _REF and frozen(value, keep) == self.entries.get(aspect, _REF))
+        if value is _REF:
+            return aspect not in self.entries
+        if frozen(value, keep) == self.entries.get(aspect, _REF):
+            if staging is not None and aspect in self.tensors:  # bound back: no copy from now on
+                staging.accept((id(self.obj), aspect), value, value, _no_getter)
+            return True
+        return self._staged(aspect, staging)
+
+    def matches(self, now: Tuple[Any, ...], staging: Optional[TensorStaging]) -> bool:
+        """Whether ``now`` (``object_state``) reads as at capture, tensors the key stages aside."""
+        if now == self.captured:
+            return True
+        after = dict(now[1])
+        return now[0] is self.captured[0] and after.keys() == self.entries.keys() and all(
+            after[name] == then or self._staged(name, staging) for name, then in self.entries.items())
+
+    def _staged(self, name: str, staging: Optional[TensorStaging]) -> bool:
+        captured, now = self.tensors.get(name), vars(self.obj).get(name)
+        return staging is not None and captured is not None and now is not captured and staging.accept(
+            (id(self.obj), name), captured, now, functools.partial(_attribute, self.obj, name))
 
 
-def torch_settings() -> Tuple[Tuple[str, Any], ...]:
-    """torch's global settings a step computes under (torch.compile's global-state guard reads them too):
-    the default dtype and device a factory call without them uses, the float32 matmul precision and TF32,
-    deterministic algorithms. A graph keeps what they were at capture."""
-    return (("default dtype", torch.get_default_dtype()), ("default device", str(torch.get_default_device())),
-            ("float32 matmul precision", torch.get_float32_matmul_precision()),
-            ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32),
-            ("deterministic algorithms", (torch.are_deterministic_algorithms_enabled(),
-                                          torch.is_deterministic_algorithms_warn_only_enabled())))
+def _attribute(obj: Any, name: str) -> Any:
+    return vars(obj).get(name)
 
 
 class PythonState:
@@ -179,12 +237,12 @@ class PythonState:
     with ``change()`` after the state epoch moved: all of it, or only what the changes since name."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], objects: Sequence[Tuple[str, Any]],
-                 named: Sequence[Tuple[str, Any]]) -> None:
+                 named: Sequence[Tuple[str, Any]], names: Optional[Dict[int, AbstractSet[str]]] = None) -> None:
         for watched in (*modules, *(obj for _, obj in objects)):
             watch(watched)
         self._keep: List[Any] = []
         self.modules = [_Module(module, self._keep) for module in modules]
-        self.objects = [_Object(name, obj, self._keep) for name, obj in objects]
+        self.objects = [_Object(name, obj, self._keep, (names or {}).get(id(obj))) for name, obj in objects]
         self.global_hooks = global_hooks(self._keep)
         self.settings = torch_settings()
         self._named = named  # (name, object) roots, to name a module in words
@@ -196,11 +254,13 @@ class PythonState:
             self._by_id.update((id(attributes[name]), (state, HOOKS)) for name in HOOK_DICTS if name in attributes)
         self._global_hook_ids = {GLOBAL_HOOKS, *(id(getattr(_mod, name)) for name in GLOBAL_HOOK_DICTS)}
 
-    def change(self, changes: Optional[Iterable[Changed]] = None) -> Optional[Change]:
+    def change(self, changes: Optional[Iterable[Changed]] = None,
+               staging: Optional[TensorStaging] = None) -> Optional[Change]:
         """``(reason, words)`` for the first difference from capture, else None: of everything, or,
-        given ``changes`` (``(id, aspect)`` since the state was last seen the same), of what they name."""
+        given ``changes`` (``(id, aspect)`` since the state was last seen the same), of what they name.
+        A module's tensor rebound to one ``staging`` accepts is staged, not a change."""
         if changes is None:
-            return self._change(True, True, self.modules, self.objects)
+            return self._change(True, True, self.modules, self.objects, staging)
         scratch: List[Any] = []
         settings = hooks = False
         modules: List[_Module] = []
@@ -212,12 +272,14 @@ class PythonState:
                 hooks = True
             elif key in self._by_id:
                 state, hook_dict = self._by_id[key]
-                if not state.same(hook_dict or aspect, scratch):
-                    (modules if isinstance(state, _Module) else objects).append(state)
-        return self._change(settings, hooks, modules, objects)
+                if isinstance(state, _Module) and not state.same(hook_dict or aspect, scratch, staging):
+                    modules.append(state)
+                elif isinstance(state, _Object) and not state.same(aspect, scratch, staging):
+                    objects.append(state)
+        return self._change(settings, hooks, modules, objects, staging)
 
-    def _change(self, settings: bool, hooks: bool, modules: Sequence["_Module"],
-                objects: Sequence["_Object"]) -> Optional[Change]:
+    def _change(self, settings: bool, hooks: bool, modules: Sequence["_Module"], objects: Sequence["_Object"],
+                staging: Optional[TensorStaging]) -> Optional[Change]:
         if settings:
             for (name, was), (_, now) in zip(self.settings, torch_settings()):
                 if now != was:
@@ -228,11 +290,11 @@ class PythonState:
                             "or removed since capture"
         for state in modules:
             now = module_state(state.module, scratch)
-            if now != state.captured:
+            if not state.matches(now, staging):
                 return self._describe(state.module, state.captured, now)
         for state in objects:
-            now = object_state(state.obj, scratch)
-            if now != state.captured:
+            now = state.state(scratch)
+            if not state.matches(now, staging):
                 return _attributes_change(state.name, state.captured[1], now[1])
         return None
 
@@ -273,9 +335,9 @@ def _attributes_change(path: str, captured: Tuple[Any, ...], now: Tuple[Any, ...
     for name in {**before, **after}:
         if before.get(name, _REF) != after.get(name, _REF):
             then, value = before.get(name, "<unset>"), after.get(name, "<unset>")
-            if _is_ref(then) or _is_ref(value):
+            if is_reference(then) or is_reference(value):
                 return "python_state", f"{path}.{name} is bound to another object than at capture"
-            return "python_state", f"{path}.{name} {_show(then)} -> {_show(value)}"
+            return "python_state", f"{path}.{name} {shown(then)} -> {shown(value)}"
     return "python_state", f"{path}: its attributes changed"
 
 
@@ -302,11 +364,13 @@ def _keys_change(captured: Tuple[Any, ...], now: Tuple[Any, ...]) -> str:
     return "; ".join(words) or "reordered"
 
 
-def _is_ref(value: Any) -> bool:
+def is_reference(value: Any) -> bool:
+    """Whether a frozen value is an object compared by identity (not a plain value)."""
     return isinstance(value, tuple) and len(value) == 2 and value[0] is _REF
 
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A frozen plain value in words."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
         return repr(_thaw(value))
     return repr(value)

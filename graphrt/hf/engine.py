@@ -34,6 +34,7 @@ import torch
 
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.config import RunnerConfig
+from graphrt.guards.epoch import unbumped
 from graphrt.hf.attention_plan import new_step
 from graphrt.hf.engine_probe import ProbedModel, refusal
 from graphrt.hf.engine_ranks import EngineRanks
@@ -62,14 +63,17 @@ _SWITCH_LOCK = threading.RLock()  # one model call at a time under a switched at
 def attention_implementation(config: Any, name: str) -> Iterator[None]:
     """While entered: ``config``'s attention implementation is ``name``, restored on every exit. Held
     under a process-wide lock, so two engines (or an engine and its probe) on one model in two threads
-    never leave the model on graphrt's attention."""
+    never leave the model on graphrt's attention. The switch and its restore bump no state epoch: the
+    config a step reads is as it was before for the next call's guard check."""
     with _SWITCH_LOCK:
         saved = config._attn_implementation
-        config._attn_implementation = name
+        with unbumped():
+            config._attn_implementation = name
         try:
             yield
         finally:
-            config._attn_implementation = saved
+            with unbumped():
+                config._attn_implementation = saved
 
 
 class HFEngine:

@@ -84,13 +84,17 @@ class GenerateForward:
 
 class StaticCachePool:
     """Stands in for ``model._prepare_static_cache``: the cache made before for the same batch size,
-    length and encoder output length, reset in place, else a new one made graph-safe (kept for next
-    time, up to ``max_caches``, unless it has layers of a kind graphrt does not know). A cache that an
-    earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the next call of the same shape."""
+    length, encoder output length and model dtype and device, reset in place, else a new one made
+    graph-safe (kept for next time, up to ``max_caches``, unless it has layers of a kind graphrt does not
+    know). A cache that an earlier ``generate()`` returned (``return_dict_in_generate``) is reset by the
+    next call of the same shape. A model cast or moved since gets a cache of its own, as transformers
+    would make it (a cache of the old dtype would refuse its writes)."""
 
-    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES, config: Any = None) -> None:
+    def __init__(self, prepare: Callable[..., Any], max_caches: int = MAX_POOLED_CACHES, config: Any = None,
+                 model: Any = None) -> None:
         self.prepare = prepare
         self.config = config  # the model's, for the windows its layers are configured with
+        self.model = model  # whose dtype and device a cache is made for
         self.max_caches = max_caches
         self.caches: "OrderedDict[Hashable, Any]" = OrderedDict()
         self.reused = 0
@@ -99,7 +103,8 @@ class StaticCachePool:
                  prefill_chunk_size: Optional[int], model_kwargs: dict) -> Any:
         encoder_outputs = model_kwargs.get("encoder_outputs")
         encoder_length = None if encoder_outputs is None else encoder_outputs[0].shape[1]  # the cross-attention length
-        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size, encoder_length)
+        placement = None if self.model is None else (self.model.dtype, self.model.device)
+        key = (cache_implementation, batch_size, max_cache_len, prefill_chunk_size, encoder_length, placement)
         cache = self.caches.get(key)
         if cache is not None:
             self.caches.move_to_end(key)
@@ -227,7 +232,7 @@ def graph_generate(
         config.disable_compile = True
     prepare = getattr(model, "_prepare_static_cache", None)
     if callable(prepare):
-        model._prepare_static_cache = StaticCachePool(prepare, config=getattr(model, "config", None))
+        model._prepare_static_cache = StaticCachePool(prepare, config=getattr(model, "config", None), model=model)
     else:
         logger.warning("graph_generate(): this transformers version has no _prepare_static_cache; each "
                        "generate() call brings a new StaticCache and records its decode graphs again")

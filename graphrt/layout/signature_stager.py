@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, Callable, List, Sequence, Set, Tuple
 
 import torch
 
@@ -23,15 +23,17 @@ class SignatureStager:
     """Stages a call into the static slots of one layout (``CallSignature.stage``) and writes
     arguments the graph writes in place back into the caller's tensors."""
 
-    __slots__ = ("signature", "_tensors")
+    __slots__ = ("signature", "sources")
 
     def __init__(self, signature: CallSignature) -> None:
         self.signature = signature
         positions = signature.tensor_positions
+        # The call's tensors (the aliasing guard reads their memory): the getter itself, no frame per call.
+        self.sources: Callable[[List[Any]], Sequence[torch.Tensor]]
         if len(positions) > 1:
-            self._tensors = operator.itemgetter(*positions)
+            self.sources = operator.itemgetter(*positions)
         else:  # an itemgetter of one position returns the leaf itself
-            self._tensors = lambda leaves: tuple(leaves[position] for position in positions)
+            self.sources = lambda leaves: tuple(leaves[position] for position in positions)
 
     def stage(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.stage(leaves, num_tokens)
@@ -48,7 +50,3 @@ class SignatureStager:
 
     def write_back(self, entry: GraphEntry, leaves: List[Any], num_tokens: int, num_reqs: int) -> None:
         self.signature.write_back(leaves, num_tokens, entry.key.num_tokens, entry.written_inputs)
-
-    def sources(self, leaves: List[Any]) -> Sequence[torch.Tensor]:
-        """The call's tensors (the aliasing guard reads their memory)."""
-        return self._tensors(leaves)

@@ -23,7 +23,9 @@ class TensorEvidence:
     with the caller's strides, so the step sees what eager sees (``is_contiguous()``, a ``.view()``
     that raises). Other strided tensors (the batch dim inside: ``x.t()``, a ``[layers, batch,
     hidden]`` state cut from a graph's output) are staged into a contiguous slot, as CUDA-graph
-    runtimes stage every input."""
+    runtimes stage every input, in a layout of their own (``contiguous`` False): a step eager refuses
+    on them (a ``.view()``) is refused by their own warm-up, never replayed from a layout recorded on
+    contiguous calls."""
 
     shape: Tuple[int, ...]
     dtype: torch.dtype
@@ -31,14 +33,17 @@ class TensorEvidence:
     candidates: FrozenSet[Optional[int]]
     kind: type = torch.Tensor
     strides: Optional[Tuple[int, ...]] = None  # the slot's strides in the caller's dim order; None: contiguous
+    contiguous: bool = True  # with a contiguous slot: whether the caller's tensors are contiguous (else staged so)
 
     @classmethod
     def first_seen(cls, tensor: torch.Tensor, batch_size: int, defines_batch: bool) -> "TensorEvidence":
         shape = tuple(tensor.shape)
         dims = {0} if defines_batch else {None, *(dim for dim, size in enumerate(shape) if size == batch_size)}
         evidence = cls(shape, tensor.dtype, tensor.device, frozenset(dims), type(tensor))
-        if tensor.is_contiguous() or not evidence.keeps(tensor):
+        if tensor.is_contiguous():
             return evidence
+        if not evidence.keeps(tensor):
+            return replace(evidence, contiguous=False)
         return replace(evidence, strides=tuple(tensor.stride()))
 
     def same_layout(self, tensor: torch.Tensor) -> bool:
@@ -46,7 +51,9 @@ class TensorEvidence:
         if type(tensor) is not self.kind:
             return False
         if self.strides is None:
-            return tensor.is_contiguous() or not self.keeps(tensor)
+            if self.contiguous:
+                return tensor.is_contiguous()
+            return not tensor.is_contiguous() and not self.keeps(tensor)
         return tensor.stride() == self.strides
 
     def keeps(self, tensor: torch.Tensor) -> bool:
@@ -106,7 +113,8 @@ class TensorEvidence:
         axis = self.axis
         shape = ["n" if index == axis else size for index, size in enumerate(self.shape)]
         strides = "" if self.strides is None else f", strides {list(self.strides)}"
-        return f"shape {shape} {self.dtype} on {self.device}{strides}"
+        staged = "" if self.contiguous else ", strided (staged contiguous)"
+        return f"shape {shape} {self.dtype} on {self.device}{strides}{staged}"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphrt.backends.source_lines import SourceLine, model_source_line
-from graphrt.backends.state_journal import allocated_storages, storage_key
+from graphrt.backends.state_journal import allocated_storages, has_storage, storage_key
+from graphrt.guards import find_bindings, memory_of
 
 Storage = Tuple[torch.device, int]
 _aten = torch.ops.aten
@@ -72,7 +73,7 @@ class OutsideReads(TorchDispatchMode):
         if func in _LIFTS:
             self._fresh.update(storage_key(leaf) for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor))
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.numel():
+            if isinstance(leaf, torch.Tensor) and leaf.numel() and has_storage(leaf):  # a sparse tensor: its parts
                 key = storage_key(leaf)
                 if key not in self._fresh and key not in self.given:
                     self._read(func, key, leaf)
@@ -116,8 +117,6 @@ def refuse_changed_reads(given: Set[Storage], expected: Sequence[Read],
     """Around a recording's warm-up: raise OutsideTensorError (naming the op and line) when the step
     reads, at an op where the ``expected`` call read another tensor, one that is neither ``given``
     (its static slots) nor held by ``roots`` (the model, the argument objects)."""
-    from graphrt.guards import find_bindings, memory_of
-
     reads = OutsideReads(given, expected)
     with reads:
         yield

@@ -317,7 +317,7 @@ def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List
         call = signature.static_arguments(rows)
 
         def step() -> Any:
-            return observed_run(lambda: fn(*call.args, **call.kwargs), roots)[0]
+            return observed_run(lambda: fn(*call.args, **call.kwargs), roots, fn)[0]
 
         return step
 

@@ -1,0 +1,179 @@
+"""Containers a step reads in place, compared per call in one C-level pass each way, whatever they hold.
+
+Python has no hook on a dict's or a list's writes (a class's ``__dict__`` written by ``Cls.attr = value``,
+``model.sampling_cfg["temperature"] = 0.5``, ``tables["cos"] = new``, an entry of a global list).
+``Versioned`` compares the containers a step reads per call: a small one of values whose ``==`` means
+"the same" (functions, classes, numbers, strings: a model class's own dict, a config dict) against a
+copy, all of them in one tuple compare; a dict of other values (tensors) by its version tag (PEP 509:
+every write gives the dict a new one; torch.compile's ``DICT_VERSION`` guard reads it through
+``torch._C._dynamo.guards.dict_version``), all of them in one pass; a list or set of other values by
+the identity of its items. A container found changed is read again (``Watched.change``), and its copy
+or version renewed when what the step reads of it is as at capture (a write elsewhere in a class's
+dict, a value assigned again).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from graphrt.guards.python_state import frozen, is_reference, shown
+
+Change = Tuple[str, str]  # (reason, what changed in words)
+_guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+dict_version: Optional[Callable[[dict], int]] = getattr(_guards, "dict_version", None)
+_is = operator.is_
+
+
+class Watched(Protocol):
+    """One container the step reads in place, and what it read of it."""
+
+    mapping: Any  # a dict (a class's own), a list or a set
+
+    def change(self) -> Optional[Change]:
+        """``(reason, words)`` when what the step read of ``mapping`` differs from capture, else None."""
+
+
+class Contents:
+    """A container the step reads (a dict, list or set): its items at capture, plain values by value and
+    tensors and objects by identity (a tensor rebound in it is a binding changed, as a module's)."""
+
+    __slots__ = ("mapping", "path", "captured", "_keep")
+
+    def __init__(self, container: Collection[Any], path: str) -> None:
+        self.mapping, self.path, self._keep = container, path, []
+        self.captured = _items(container, self._keep)
+
+    def change(self) -> Optional[Change]:
+        now = _items(self.mapping, [])
+        if now == self.captured:
+            return None
+        before, after = dict(self.captured), dict(now)
+        for key in {**before, **after}:
+            then, value = before.get(key, "<unset>"), after.get(key, "<unset>")
+            if then != value:
+                where = f"{self.path}[{key!r}]"
+                if is_reference(then) or is_reference(value):
+                    return "rebound_state", f"{where} is bound to another object than at capture"
+                return "python_state", f"{where} {shown(then)} -> {shown(value)}"
+        return "python_state", f"{self.path}: its items were reordered since capture"
+
+
+def _items(container: Collection[Any], keep: List[Any]) -> Tuple[Tuple[Any, Any], ...]:
+    """``(key, frozen value)`` of a dict's items, a list's positions, a set's members (by themselves)."""
+    if isinstance(container, dict):
+        return tuple((key, frozen(value, keep)) for key, value in container.items())
+    if isinstance(container, list):
+        return tuple(enumerate(frozen(value, keep) for value in container))
+    return tuple((member, member) for member in frozen(container, keep)[1])
+
+
+class Versioned:
+    """The containers of ``entries``, compared per call (``check``), read again where one changed."""
+
+    __slots__ = ("entries", "copied", "copied_dicts", "copies", "versioned", "versioned_dicts", "versions",
+                 "by_identity", "members")
+
+    def __init__(self, entries: Sequence[Watched]) -> None:
+        self.entries = list(entries)
+        self.copied = [entry for entry in self.entries if _by_value(entry.mapping)]
+        self.versioned = [entry for entry in self.entries if dict_version is not None and entry not in self.copied
+                          and type(entry.mapping) is dict]
+        self.by_identity = [entry for entry in self.entries if entry not in self.copied and entry not in self.versioned]
+        self.copied_dicts = [entry.mapping for entry in self.copied]
+        self.copies = [copy.copy(mapping) for mapping in self.copied_dicts]  # renewed in place: check() holds it
+        self.versioned_dicts = [entry.mapping for entry in self.versioned]
+        self.versions: List[int] = list(map(dict_version, self.versioned_dicts)) if self.versioned else []
+        self.members = [_members(entry.mapping) for entry in self.by_identity]
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def equality(self) -> Optional[Tuple[Any, Any]]:
+        """``(containers, copies)`` when the per-call check is ``containers == copies`` (none compared by
+        version or identity): a guard compares it with its other such checks in one tuple compare. False
+        may be a write that changed nothing the step reads: ``holds()`` tells, renewing the copies."""
+        return None if self.versioned or self.by_identity else (self.copied_dicts, self.copies)
+
+    def check(self) -> Callable[[], bool]:
+        return self.holds
+
+    def holds(self) -> bool:
+        try:
+            same = self.copied_dicts == self.copies
+        except RuntimeError:  # a value's == raised (a tensor put where a plain value was)
+            same = False
+        if not same and not self._renew(self.copied):
+            return False
+        if self.versioned and list(map(dict_version, self.versioned_dicts)) != self.versions:
+            return self._renew(self.versioned)
+        if self.by_identity and list(map(_members, (entry.mapping for entry in self.by_identity))) != self.members:
+            return self._renew(self.by_identity)
+        return True
+
+    def _renew(self, entries: Sequence[Watched]) -> bool:
+        """Whether ``entries`` still read as at capture (a write that changed nothing): then their copies,
+        versions and members are taken again."""
+        if any(entry.change() is not None for entry in entries):
+            return False
+        self.copies[:] = [copy.copy(mapping) for mapping in self.copied_dicts]
+        self.versions = list(map(dict_version, self.versioned_dicts)) if self.versioned else []
+        self.members = [_members(entry.mapping) for entry in self.by_identity]
+        return True
+
+    def change(self) -> Change:
+        """``(reason, words)`` of the first entry that differs from capture."""
+        for entry in self.entries:
+            change = entry.change()
+            if change is not None:
+                return change
+        return "python_state", "a container the step reads changed"
+
+
+class _Identity:
+    """A member compared by identity (``==`` of two wrappers: ``is`` of what they hold)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _members(container: Collection[Any]) -> Tuple[Any, ...]:
+    """What a container holds, comparable by identity: a dict's keys and values, a list's items."""
+    values = container.values() if isinstance(container, dict) else container
+    keys = tuple(container) if isinstance(container, dict) else ()
+    return keys, tuple(map(_Identity, values))
+
+
+MAX_COPIED = 32  # a container of more items is compared by version or identity
+
+
+def _by_value(container: Collection[Any]) -> bool:
+    """Whether comparing ``container`` with a copy is cheap and says "unchanged" exactly when it is: few
+    items, each a value whose ``==`` is identity or plain equality."""
+    values = container.values() if isinstance(container, dict) else container
+    return len(container) <= MAX_COPIED and all(map(_plain, values))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, (int, float, complex, str, bytes, type(None))) or type(value).__eq__ is object.__eq__:
+        return True
+    if isinstance(value, (tuple, list, frozenset)) and depth < 4:
+        return all(_plain(item, depth + 1) for item in value)
+    if isinstance(value, dict) and depth < 4:
+        return all(_plain(item, depth + 1) for item in value.values())
+    return False
+
+
+def same_value(then: Any, now: Any) -> bool:
+    """Identity, or equality for values whose ``==`` means the same (numbers, strings, None)."""
+    return now is then or type(now) is type(then) and isinstance(now, (int, float, complex, str, bytes)) and now == then

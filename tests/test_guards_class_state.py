@@ -1,0 +1,177 @@
+"""Class-level state the step reads (issue 49, item 1).
+
+A graph froze what a lookup through the class found at capture: a class attribute read through ``self``
+(``MyAttention.softmax_scale = 0.25``), a ``forward`` patched on the class (Liger-style kernels patch
+``RMSNorm.forward``), a staticmethod swapped, an attribute of a settings class the step reads as a global.
+torch.compile guards each of them (the attribute's source through ``type(self)``); a change after capture
+must give eager's result, with the change named in ``stats()["guard_failures"]``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
+from torch import nn
+
+from graphrt import wrap
+
+
+def test_a_class_attribute_read_through_self_is_guarded():
+    class Attention(nn.Module):
+        softmax_scale = 1.0
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.softmax(self.proj(x) * self.softmax_scale, -1)
+
+    model = Attention()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        Attention.softmax_scale = 0.25
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert "Attention.softmax_scale" in failures(fast)
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def fused_norm(self, x):
+    """A kernel patched in for ``Norm.forward`` after capture (it computes another thing: doubled)."""
+    return 2 * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_a_forward_patched_on_the_class_after_capture_runs():
+    model = nn.Sequential(nn.Linear(8, 8), Norm())
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    original = Norm.forward
+    with torch.no_grad():
+        calls(fast, x)
+        Norm.forward = fused_norm
+        try:
+            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+        finally:
+            Norm.forward = original
+        runs = fast.stats()["graph_runs"]
+        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1  # the first graphs again
+    assert "Norm.forward" in failures(fast)
+
+
+def test_a_staticmethod_swapped_on_the_class_is_guarded():
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        @staticmethod
+        def activation(x):
+            return torch.relu(x)
+
+        def forward(self, x):
+            return self.activation(self.linear(x))
+
+    model = Gated()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        Gated.activation = staticmethod(torch.sigmoid)
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert "Gated.activation" in failures(fast)
+
+
+class Settings:
+    """A settings class the step reads as a global."""
+
+    temperature = 1.0
+
+
+def test_an_attribute_of_a_settings_class_read_as_a_global_is_guarded():
+    linear = nn.Linear(8, 8)
+
+    def step(x):
+        return linear(x) / Settings.temperature
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        Settings.temperature = 0.5
+        try:
+            assert all(torch.equal(fast(x), step(x)) for _ in range(3))
+        finally:
+            Settings.temperature = 1.0
+    assert "Settings.temperature" in failures(fast)
+
+
+class SoftCapped(ToyPagedModel):
+    """The toy paged model with a class-level soft cap on its logits."""
+
+    softcap = 30.0
+
+    def forward(self, input_ids, positions, forward_batch):
+        logits = super().forward(input_ids, positions, forward_batch)
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+
+def test_a_runner_step_after_a_class_level_soft_cap_changed_runs_eagerly():
+    model = SoftCapped()
+    runner = captured_runner(model)
+    batch = decode_batch(4)
+    SoftCapped.softcap = 0.5
+    reference = copy.deepcopy(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(runner(batch), eager_step(reference, batch))
+    finally:
+        SoftCapped.softcap = 30.0
+    stats = runner.stats()
+    assert stats["eager_reasons"] == {"python_state": 1}, stats["guard_failures"]
+    assert any("SoftCapped.softcap" in detail for detail in stats["guard_failures"])
+
+
+def test_graph_generate_follows_an_rms_norm_forward_patched_on_the_class():
+    """Liger-style: a transformers class's forward replaced after graph_generate recorded."""
+    pytest.importorskip("transformers")
+    from hf_helpers import family_inputs, tiny_model
+    from transformers.models.llama import modeling_llama
+
+    import graphrt.hf
+
+    model = tiny_model("llama")
+    inputs = family_inputs("llama", batch=2)
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    norm = modeling_llama.LlamaRMSNorm
+    original = norm.forward
+
+    def patched(self, hidden_states):
+        return original(self, hidden_states) * 1.5
+
+    with torch.no_grad():
+        plain = model.generate(**inputs, **options)
+        fast = graphrt.hf.graph_generate(model, max_batch_size=4)
+        for _ in range(2):
+            assert torch.equal(model.generate(**inputs, **options), plain)
+        norm.forward = patched
+        try:
+            reference = tiny_model("llama")
+            expected = reference.generate(**inputs, **options)
+            assert not torch.equal(expected, plain)
+            assert torch.equal(model.generate(**inputs, **options), expected)
+        finally:
+            norm.forward = original
+    assert "LlamaRMSNorm.forward" in failures(fast)

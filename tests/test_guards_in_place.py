@@ -1,0 +1,276 @@
+"""Containers and plain objects the step reads, changed in place (issue 49, items 3 and 4).
+
+A tensor rebound inside a container the step reads (``tables["cos"] = new`` in its closure, an entry of a
+global list) is a binding like a module's; a value changed inside a container or a plain object the step
+reads (``model.sampling_cfg["temperature"] = 0.5``, ``partial.keywords``, a closure's list, a module-level
+dict, a ``model.config`` dataclass field, Gemma 2's ``final_logit_softcapping``, ``set_attn_implementation``,
+a hook object's attribute, an object nested in an object argument) is Python state like a module's
+attribute. torch.compile guards each source it read; a change after capture must give eager's result.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
+from torch import nn
+
+from graphrt import wrap
+
+
+# ---- 3. tensors rebound inside containers --------------------------------------------------------
+
+
+def test_a_tensor_rebound_in_a_closure_dict_is_read_where_it_is_bound_now():
+    torch.manual_seed(0)
+    tables = {"cos": torch.randn(8), "sin": torch.randn(8)}
+
+    def rotate(x):
+        return x * tables["cos"] + x.flip(-1) * tables["sin"]
+
+    fast = wrap(rotate, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        tables["cos"] = torch.randn(8)
+        assert all(torch.equal(fast(x), rotate(x)) for _ in range(3))
+    assert "rebound_state:" in failures(fast) and "cos" in failures(fast)
+
+
+BIASES = [torch.zeros(8)]
+
+
+def biased(x):
+    return x + BIASES[0]
+
+
+def test_a_tensor_rebound_in_a_global_list_is_read_where_it_is_bound_now():
+    fast = wrap(biased, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        BIASES[0] = torch.full((8,), 3.1)
+        try:
+            assert all(torch.equal(fast(x), biased(x)) for _ in range(3))
+        finally:
+            BIASES[0] = torch.zeros(8)
+    assert "rebound_state:" in failures(fast)
+
+
+def test_a_tensor_rebound_in_partial_keywords_is_read_where_it_is_bound_now():
+    def shifted(x, shift):
+        return x + shift
+
+    step = functools.partial(shifted, shift=torch.zeros(8))
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        step.keywords["shift"] = torch.ones(8)
+        assert all(torch.equal(fast(x), step(x)) for _ in range(3))
+    assert "rebound_state:" in failures(fast)
+
+
+# ---- 4. containers and plain objects changed in place ------------------------------------------
+
+
+class Sampled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+        self.sampling_cfg = {"temperature": 1.0}
+
+    def forward(self, x):
+        return self.head(x) / self.sampling_cfg["temperature"]
+
+
+def test_a_dict_attribute_changed_in_place_is_read():
+    model = Sampled()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        model.sampling_cfg["temperature"] = 0.5
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+        model.sampling_cfg["temperature"] = 1.0  # back: the first graphs replay
+        runs = fast.stats()["graph_runs"]
+        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1
+    assert "temperature" in failures(fast)
+
+
+def test_partial_keywords_changed_in_place_are_read():
+    linear = nn.Linear(8, 8)
+
+    def scaled(x, scale):
+        return linear(x) * scale
+
+    step = functools.partial(scaled, scale=2.0)
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        step.keywords["scale"] = 3.0
+        assert all(torch.equal(fast(x), step(x)) for _ in range(3))
+    assert "python_state:" in failures(fast) and "scale" in failures(fast)
+
+
+def test_a_closure_list_changed_in_place_is_read():
+    linear = nn.Linear(8, 8)
+    scales = [1.0]
+
+    def step(x):
+        return linear(x) * scales[0]
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        scales[0] = 2.0
+        assert all(torch.equal(fast(x), step(x)) for _ in range(3))
+    assert "python_state:" in failures(fast)
+
+
+CONFIG = {"scale": 1.0}
+
+
+def configured(x):
+    return x * CONFIG["scale"]
+
+
+def test_a_module_level_dict_changed_in_place_is_read():
+    fast = wrap(configured, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        CONFIG["scale"] = 3.0
+        try:
+            assert all(torch.equal(fast(x), configured(x)) for _ in range(3))
+        finally:
+            CONFIG["scale"] = 1.0
+    assert "python_state:" in failures(fast) and "scale" in failures(fast)
+
+
+@dataclasses.dataclass
+class HeadConfig:
+    softcap: float = 30.0
+
+
+class Capped(ToyPagedModel):
+    """The toy paged model reading a dataclass config at forward time."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = HeadConfig()
+
+    def forward(self, input_ids, positions, forward_batch):
+        logits = super().forward(input_ids, positions, forward_batch)
+        return torch.tanh(logits / self.config.softcap) * self.config.softcap
+
+
+def test_a_runner_step_after_a_config_dataclass_field_changed_runs_eagerly():
+    model = Capped()
+    runner = captured_runner(model)
+    batch = decode_batch(4)
+    model.config.softcap = 0.1
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(runner(batch), eager_step(reference, batch))
+    stats = runner.stats()
+    assert stats["eager_reasons"] == {"python_state": 1}, stats["guard_failures"]
+    assert any("softcap" in detail for detail in stats["guard_failures"])
+
+
+class Scale:
+    """A forward hook object: scales a module's output by its factor."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, module, args, output):
+        return output * self.factor
+
+
+def test_a_hook_objects_attribute_changed_after_capture_is_read():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    hook = Scale(1.0)
+    model[0].register_forward_hook(hook)
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        hook.factor = -2.0
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert "factor" in failures(fast)
+
+
+class Inner:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class Options:
+    def __init__(self, scale):
+        self.inner = Inner(scale)
+
+
+def test_an_attribute_of_an_object_nested_in_an_object_argument_is_read():
+    linear = nn.Linear(8, 8)
+
+    def step(x, options):
+        return linear(x) * options.inner.scale
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    options = Options(1.0)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x, options)
+        options.inner.scale = 2.5
+        assert all(torch.equal(fast(x, options), step(x, options)) for _ in range(3))
+    assert "scale" in failures(fast)
+
+
+def hf_case(family):
+    pytest.importorskip("transformers")
+    from hf_helpers import family_inputs, tiny_model
+
+    return tiny_model(family), tiny_model(family), family_inputs(family, batch=2)
+
+
+def test_graph_generate_follows_gemma2_final_logit_softcapping_changed_in_its_config():
+    import graphrt.hf
+
+    model, reference, inputs = hf_case("gemma2")
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        fast = graphrt.hf.graph_generate(model, max_batch_size=4)
+        for _ in range(2):
+            model.generate(**inputs, **options)
+        for each in (model, reference):
+            each.config.final_logit_softcapping = 0.05
+        expected = reference.generate(**inputs, **options)
+        assert torch.equal(model.generate(**inputs, **options), expected)
+    assert "final_logit_softcapping" in failures(fast)
+
+
+def test_graph_generate_follows_set_attn_implementation():
+    """``set_attn_implementation`` only writes the config: every graph recorded under the old implementation
+    must refuse the calls after it (here they also come with another mask, so they get layouts of their own)."""
+    import graphrt.hf
+
+    model, reference, inputs = hf_case("llama")
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        fast = graphrt.hf.graph_generate(model, max_batch_size=4)
+        for _ in range(2):
+            model.generate(**inputs, **options)
+        guards = [entry.guard for layout in fast.layouts.layouts.values()
+                  for entry in layout.graphs.registry.entries.values() if entry.guard is not None]
+        for each in (model, reference):
+            each.set_attn_implementation("eager")
+        expected = reference.generate(**inputs, **options)
+        assert torch.equal(model.generate(**inputs, **options), expected)
+    assert guards and all("_attn_implementation" in guard.state_failure().detail for guard in guards)
