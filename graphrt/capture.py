@@ -60,6 +60,7 @@ class KeyReport:
     pieces: Optional[int] = None  # piecewise keys: how many graph pieces the step was split into
     output_bytes: int = 0  # the key's output tensors (memory the keys of one pool share)
     compiled: Optional[bool] = None  # the step's torch.compile'd code compiled at this key's shapes (None: it has none)
+    compiled_graphs: int = 0  # graphs Dynamo compiled for this key (0: the key ran graphs compiled before)
 
 
 @dataclass
@@ -95,6 +96,11 @@ class CaptureReport:
     def verify_seconds(self) -> float:
         return sum(report.verify_seconds for report in self.keys)
 
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs Dynamo compiled for the keys (a dynamic graph serves many sizes: 1, and 1 more for size 1)."""
+        return sum(report.compiled_graphs for report in self.keys)
+
     def __str__(self) -> str:
         lines = [f"{'key':<28} {'status':<8} {'seconds':>8} {'verify s':>8} {'out MiB':>8} {'pool MiB':>9} {'pieces':>6}"
                  f" {'compiled':>8}  reason"]
@@ -102,12 +108,14 @@ class CaptureReport:
             pool = "-" if report.pool_bytes is None else f"{report.pool_bytes / 2**20:.2f}"
             status = "ok" if report.ok else "failed"
             pieces = "-" if report.pieces is None else str(report.pieces)
-            compiled = {None: "-", True: "yes", False: "no"}[report.compiled]
+            compiled = {None: "-", True: "yes", False: "no"}[report.compiled] + (
+                f"+{report.compiled_graphs}" if report.compiled_graphs else "")
             lines.append(f"{str(report.key):<28} {status:<8} {report.seconds:>8.3f} {report.verify_seconds:>8.3f} "
                          f"{report.output_bytes / 2**20:>8.2f} {pool:>9} {pieces:>6} {compiled:>8}  "
                          f"{report.reason or ''}")
+        total_compiled = f"+{self.compiled_graphs}" if self.compiled_graphs else ""
         lines.append(f"{'pool total':<28} {'':<8} {self.seconds:>8.3f} {self.verify_seconds:>8.3f} "
-                     f"{self.output_bytes / 2**20:>8.2f} {self.pool_bytes / 2**20:>9.2f}")
+                     f"{self.output_bytes / 2**20:>8.2f} {self.pool_bytes / 2**20:>9.2f} {'':>6} {total_compiled:>8}")
         return "\n".join(lines)
 
 
@@ -178,7 +186,8 @@ class KeyCapture:
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
                                              entry.pool_bytes, entry.reason, entry.verify_seconds, _pieces(entry),
                                              _output_bytes(entry),
-                                             None if entry.compiled is None else entry.compiled.compiled))
+                                             None if entry.compiled is None else entry.compiled.compiled,
+                                             0 if entry.compiled is None else entry.compiled.graphs))
         return report
 
     def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "",
@@ -197,7 +206,7 @@ class KeyCapture:
         try:
             graph = capture_graph(self.backend, step, max(warmup_iters, 1) if self.compiled else warmup_iters, record,
                                   journal, watch, capture_path=not self.compiled,
-                                  compile_step=lambda: self._compile(entry))
+                                  compile_step=lambda put_back: self._compile(entry, put_back))
             check_devices(entry, graph, self.backend.graph_device)
         except Exception as caught:  # a failed capture disables only this key
             error = caught
@@ -222,7 +231,7 @@ class KeyCapture:
         registry.mark_ready(entry, graph, journal.written, journal.reads_grad, journal.touched)
         return True
 
-    def _compile(self, entry: GraphEntry) -> None:
+    def _compile(self, entry: GraphEntry, put_back: Callable[[], None]) -> None:
         """If the step ran torch.compile'd code (seen by its warm-ups), compile it at the key's shapes with
         no dispatch mode active, the key's rows marked dynamic (graphrt.backends.compile_runs). The step
         runs bare: compiling assigns attributes of the modules Dynamo and inductor make (inductor on CUDA
@@ -234,7 +243,7 @@ class KeyCapture:
         flatten(entry.static_inputs, tensors)
         with self.backend.warmup_context():
             entry.compiled = compile_run(entry.step, [leaf for leaf in tensors if isinstance(leaf, torch.Tensor)],
-                                         (entry.key.num_tokens, entry.key.num_reqs))
+                                         (entry.key.num_tokens, entry.key.num_reqs), put_back)
         if not entry.compiled.compiled:
             logger.warning("%s: the step's torch.compile'd code runs eagerly at this key's shapes: %s", entry.key,
                            entry.compiled.detail)
@@ -314,7 +323,8 @@ Record = Callable[[Callable[[], Any], Sequence[torch.Generator]], CapturedGraph]
 
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
                   journal: Optional[StateJournal] = None, watch: Optional[AbstractContextManager] = None,
-                  capture_path: bool = False, compile_step: Optional[Callable[[], None]] = None) -> CapturedGraph:
+                  capture_path: bool = False,
+                  compile_step: Optional[Callable[[Callable[[], None]], None]] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The
@@ -322,9 +332,10 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     ``journal``: the StateJournal to use, for a caller that reads what the step wrote; ``watch``:
     a context the warm-ups also run in (whose exit may raise, refusing the key). ``capture_path``:
     the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
-    step, whose compiled code must not see a patched flag). ``compile_step``: run between the warm-ups
-    and the recording with no dispatch mode active (a torch.compile'd step compiles there, not under
-    a mode nor inside a CUDA capture); it writes the regions the warm-ups wrote, put back after it."""
+    step, whose compiled code must not see a patched flag). ``compile_step(put_back)``: run between the
+    warm-ups and the recording with no dispatch mode active (a torch.compile'd step compiles there, not
+    under a mode nor inside a CUDA capture); it writes the regions the warm-ups wrote, put back after
+    it (and by ``put_back()`` between its runs)."""
     record = backend.capture if record is None else record
     journal = StateJournal() if journal is None else journal
     with torch.no_grad():
@@ -336,7 +347,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                         journal.put_back()  # each run starts from the state as it was (a cache's length)
                 generators = journal.generators.explicit()
             if compile_step is not None:
-                compile_step()
+                compile_step(journal.put_back)
                 journal.put_back()
             if backend.capture_executes:
                 with journal, eager_stance():

@@ -69,6 +69,10 @@ class RunnerConfig:
     ``token_to_kv_pool`` count as scratch state too.
     ``slot_pool``: where the static input slots are allocated (a ``graphrt.pools`` BufferPool, e.g.
     a ``HierarchicalBufferPool`` that puts host slots in pinned memory); default: allocated directly.
+    ``share_graphs_with``: another ``GraphRunner`` (same backend and device) whose graph memory pool this
+    runner's graphs share (on CUDA also its capture stream, so one cuBLAS workspace): several runners of
+    one engine then hold about one largest key's memory, not one pool each. An output of either runner's
+    graphs is valid until the next replay of any graph in the pool.
     """
 
     max_batch_size: int = 64
@@ -96,6 +100,7 @@ class RunnerConfig:
     next_tokens: Optional[Callable[[Any, int], torch.Tensor]] = field(default=None, compare=False)
     scratch_state: Sequence[torch.Tensor] = field(default=(), compare=False)
     slot_pool: Optional[SlotPool] = field(default=None, compare=False)
+    share_graphs_with: Optional[Any] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         unset = [name for name in DERIVED_FROM_MAX_BATCH_SIZE if getattr(self, name) is None]

@@ -16,7 +16,7 @@ from typing import (
 
 import torch
 
-from graphrt.backends import CapturedGraph, another_capture_error
+from graphrt.backends import CapturedGraph, CollectiveError, another_capture_error
 from graphrt.backends.compile_runs import CompileOutcome
 from graphrt.batch import ForwardMode
 from graphrt.debug import GenerationCounter, guard_outputs
@@ -219,13 +219,14 @@ def replay_or_eager(entry: GraphEntry, call: Any, num_tokens: int, num_reqs: int
     eagerly (``run_eager(EagerReason.REPLAY_FAILED, *eager_args)``). If eager raises too, the input
     was at fault: its error surfaces and the key stays in use. If eager succeeds, the graph was at
     fault: the key is disabled, unless the error was another capture's (``another_capture_error``:
-    torch <= 2.11 fails every replay while any capture of the process is under way). Without
+    torch <= 2.11 fails the replay of a graph that drew random numbers while any capture of the process
+    is under way), or a collective's (``CollectiveError``: a peer lost). Without
     ``run_eager`` (lockstep: the peers replayed) the key is disabled and the replay's error surfaces."""
     try:
         return entry.replay(call, num_tokens, num_reqs)
     except Exception as replay_error:
         why = f"replay raised {type(replay_error).__name__}: {replay_error}"
-        its_own = not another_capture_error(replay_error)
+        its_own = not (another_capture_error(replay_error) or isinstance(replay_error, CollectiveError))
         try:
             entry.stager.reset()
         except Exception as reset_error:  # never in the way of the eager step (slots are made to be writable)

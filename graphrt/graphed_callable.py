@@ -49,6 +49,7 @@ from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.signature_stager import SignatureStager
+from graphrt.layout.wrapped_module import through_wrapper
 from graphrt.padding_rows import checked_pad_values, padding_refusal, positional_names
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
@@ -142,7 +143,11 @@ class GraphedCallable:
             fn = self.__dict__["fn"]
         except KeyError:  # during __init__, or an unpickled shell
             raise AttributeError(name) from None
-        return getattr(fn, name)
+        value = getattr(fn, name)
+        if isinstance(fn, torch.nn.Module) and getattr(value, "__self__", None) is fn:
+            # fast.cuda() is the wrapper, moved with its scratch state, not the bare module (the H200 session)
+            return through_wrapper(self, fn, value, self.__dict__["scratch_storages"])
+        return value
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Once built, setting an attribute the wrapper does not have sets it on a wrapped module

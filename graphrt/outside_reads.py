@@ -9,7 +9,9 @@ recorded call forever: every sequence goes wrong, silently.
 ``OutsideReads`` lists, in op order, the storages each op reads that the block did not allocate
 and that are not ``given`` (the call's arguments or static slots). Run over a real call and
 over the capture of the next one (with the first list as ``expected``), a read of another
-storage at the same op marks a tensor that changes from call to call outside the arguments; the
+storage at the same op marks a tensor that changes from call to call outside the arguments: another
+address, or the same address in another storage (a weak reference to each read storage tells: the
+caching allocator hands a tensor made anew each call the block the last call's freed; issue 48); the
 caller drops those the model or an argument object holds (their rebinding is the guards' job)
 and refuses the rest (``OutsideTensorError``), naming the op and the model line.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -47,16 +50,20 @@ class ChangedRead:
     tensor: torch.Tensor
 
 
-class OutsideReads(TorchDispatchMode):
-    """``reads``: ``(op, storage)`` per outside read, in order. With ``expected`` (the reads of an
-    earlier call), ``changed`` lists the reads of another storage at the same op, with the model
-    line, while the two calls ran the same ops."""
+Read = Tuple[Any, Storage, StorageWeakRef]  # the op, the storage's address, the storage itself (weakly)
 
-    def __init__(self, given: Set[Storage], expected: Optional[Sequence[Tuple[Any, Storage]]] = None) -> None:
+
+class OutsideReads(TorchDispatchMode):
+    """``reads``: ``(op, storage, weak reference)`` per outside read, in order. With ``expected`` (the
+    reads of an earlier call), ``changed`` lists the reads of another storage at the same op (another
+    address, or the same address in a storage made since), with the model line, while the two calls
+    ran the same ops."""
+
+    def __init__(self, given: Set[Storage], expected: Optional[Sequence[Read]] = None) -> None:
         super().__init__()
         self.given = given
         self.expected = expected
-        self.reads: List[Tuple[Any, Storage]] = []
+        self.reads: List[Read] = []
         self.changed: List[ChangedRead] = []
         self._fresh: Set[Storage] = set()
         self._aligned = expected is not None
@@ -76,12 +83,13 @@ class OutsideReads(TorchDispatchMode):
 
     def _read(self, func: Any, key: Storage, tensor: torch.Tensor) -> None:
         position = len(self.reads)
-        self.reads.append((func, key))
+        storage = StorageWeakRef(tensor.untyped_storage())
+        self.reads.append((func, key, storage))
         if not self._aligned:
             return
         if position >= len(self.expected) or self.expected[position][0] is not func:
             self._aligned = False  # the calls ran other ops from here: nothing more to compare
-        elif self.expected[position][1] != key:
+        elif self.expected[position][1] != key or self.expected[position][2] != storage:
             self.changed.append(ChangedRead(str(func).removesuffix(".default"), model_source_line(), tensor))
 
 
@@ -104,7 +112,7 @@ def outside_tensor_error(read: ChangedRead) -> OutsideTensorError:
 
 
 @contextmanager
-def refuse_changed_reads(given: Set[Storage], expected: Sequence[Tuple[Any, Storage]],
+def refuse_changed_reads(given: Set[Storage], expected: Sequence[Read],
                          roots: Sequence[Tuple[str, Any]]) -> Iterator[None]:
     """Around a recording's warm-up: raise OutsideTensorError (naming the op and line) when the step
     reads, at an op where the ``expected`` call read another tensor, one that is neither ``given``

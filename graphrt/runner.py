@@ -79,13 +79,17 @@ class GraphRunner:
         if config.histogram is not None:
             self._stats.merge_histogram(config.histogram)
         self.lockstep = Lockstep(config.process_group, config.cpu_group) if config.process_group is not None else None
+        if self.lockstep is not None and self.backend_name == "cuda":
+            self.lockstep.watch_replays(self.device)  # captured collectives are invisible to NCCL's watchdog
         self.capture_sizes = self._agreed(self._initial_sizes())
         self._graph_modes = self._modes_with_graphs()
         self.buffers = self._static_slots(
             any(mode.is_extend() for mode in self._graph_modes) or bool(config.piecewise_sizes))
         self.sampler: NextTokens = config.next_tokens if config.next_tokens is not None else greedy
-        self.backend = make_backend(self.backend_name, self.device)
-        self.registry = GraphRegistry(config.copy_outputs, self.debug)
+        shared = self._shared_graphs(config.share_graphs_with)
+        self.backend = make_backend(self.backend_name, self.device) if shared is None else shared.backend
+        self.registry = GraphRegistry(config.copy_outputs, self.debug,
+                                      None if shared is None else shared.registry.pool_replays)
         self.capturer = KeyCapture(self.backend, config.warmup_iters, config.verify, self._scratch_storages,
                                    is_compiled(model),
                                    agree=self.lockstep.agree_capture if self.lockstep is not None else None)
@@ -113,6 +117,18 @@ class GraphRunner:
         self._graph_state_ready = False
 
     # ---- construction helpers ---------------------------------------------------------------
+
+    def _shared_graphs(self, other: Any) -> Optional["GraphRunner"]:
+        """The runner whose graph pool this one shares (``share_graphs_with``), checked: same backend and
+        device; None without one, or when graphs are off."""
+        if other is None or self.backend_name == "eager":
+            return None
+        if not isinstance(other, GraphRunner):
+            raise TypeError(f"share_graphs_with: expected a GraphRunner, got {type(other).__name__}")
+        if (other.backend_name, other.device) != (self.backend_name, self.device):
+            raise ValueError(f"share_graphs_with: expected a runner on backend {self.backend_name!r} and device "
+                             f"{self.device}, got one on {other.backend_name!r} and {other.device}")
+        return other
 
     def _initial_sizes(self) -> List[int]:
         sizes = self.config.capture_sizes
@@ -427,8 +443,12 @@ class GraphRunner:
         work = batch if batch is not None else empty_batch(agreed.mode, self.device)
         if decision.reason is None:
             self._check_cut(decision.entry, work)
-        tokens = self._decoder.run_decided(work, steps, fn, decision,
-                                           lambda step: self._lockstep_step(step, record=False))
+        def launch() -> torch.Tensor:
+            return self._decoder.run_decided(work, steps, fn, decision,
+                                             lambda step: self._lockstep_step(step, record=False))
+
+        replayed = decision.reason is None  # one replay of the multi-step key, watched; else agreed steps
+        tokens = self.lockstep.replayed(launch, f"the replay of {decision.entry.key}") if replayed else launch()
         return tokens if batch is not None else None
 
     def _step(
@@ -453,7 +473,10 @@ class GraphRunner:
             if decision.reason is not None:
                 return self._run_eager(decision.reason, batch, agreed, entry)
             num_reqs = batch.batch_size if entry.key.kind is KeyKind.FULL else PIECEWISE_REQS
-            return replay_or_eager(entry, batch, batch.num_tokens, num_reqs, run_eager, batch, agreed)
+            if agreed is None:
+                return replay_or_eager(entry, batch, batch.num_tokens, num_reqs, run_eager, batch, agreed)
+            return self.lockstep.replayed(lambda: replay_or_eager(entry, batch, batch.num_tokens, num_reqs, None),
+                                          f"the replay of {entry.key}")
 
     def _check_cut(self, entry: GraphEntry, batch: ForwardBatch) -> None:
         """Lockstep replays at the agreed size: the real rows of this rank must be cuttable."""

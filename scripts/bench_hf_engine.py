@@ -8,8 +8,9 @@ bytes per token; its decode step against ``max_context``.
 The same model and prompts (greedy, stopping at the model's EOS) go through ``model.generate_batch`` (transformers'
 continuous batching, paged attention, with its own CUDA graphs where it has them) and through
 ``graphrt.hf.engine_model(...).generate`` eagerly (``graphs=False``) and with graphs (full decode
-graphs, piecewise prefill). Each path runs once to warm up (capture included) and is then timed on a
-second run. Printed per path: whether its tokens equal ``model.generate()``'s per prompt, generated
+graphs, piecewise prefill), then through the online engine (``engine.online()``: requests arriving while
+others decode, issue 50) eagerly and with graphs. Each path runs once to warm up (capture included) and
+is then timed on a second run. Printed per path: whether its tokens equal ``model.generate()``'s per prompt, generated
 tokens per second, engine steps, and graphrt's own cost per step (the time of a step spent outside the
 runner: scheduling, batch building, sampling; and inside it). On CPU graphrt's graphs are the emulated
 backend, which replays the recorded ops one by one: it checks the CUDA-graph contract, it is not a
@@ -17,11 +18,13 @@ CUDA-graph speedup, and its numbers say nothing about a GPU. ``--threads`` (defa
 CPU threads: on a shared machine more threads than free cores make every op spin-wait.
 
 Then: the bytes a cached token takes per layer in the engine's KV pools against the model's minimum
-(multi-head latent attention's latent; see graphrt.hf.kv_layout), and the time of one graphed decode
-step of ``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each
-``max_context`` of ``--contexts``: the time in the runner per decode step of a call generating 1 +
-``DECODE_STEPS`` tokens (``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS``
-calls after one that captures, on one engine per context.
+(multi-head latent attention's latent; see graphrt.hf.kv_layout); what capturing the engine took (its
+runners, graphs, seconds and graph-pool growth, ``stats()["capture"]``: every runner a call may use is
+captured before its first step, into one pool); and the time of one graphed decode step of
+``--max-requests`` requests holding about ``--real-tokens`` tokens each, for each ``max_context`` of
+``--contexts``: the time in the runner per decode step of a call generating 1 + ``DECODE_STEPS`` tokens
+(``stats()["serve"]["decode_runner_seconds"]``), the least of ``REPEATS`` calls after one that captures,
+on one engine per context, beside that engine's capture (a decode runner per width bucket).
 
 ``--step-events`` measures only this instead (issue 47): ``--max-requests`` prompts of 4 tokens decoding
 ``--new-tokens`` tokens each on the 4-layer model, with graphs and eagerly, host ms per decode step (the
@@ -54,6 +57,7 @@ import graphrt.hf  # noqa: E402
 Run = Callable[[], List[List[int]]]
 DECODE_STEPS = 8
 REPEATS = 3
+ARRIVAL_EVERY = 3  # the online path: a new request every this many steps while the others decode
 
 
 def timed(run: Run) -> Tuple[List[List[int]], float]:
@@ -90,8 +94,47 @@ def generate_batch_run(model: torch.nn.Module, prompts: List[List[int]], new_tok
     return run
 
 
-def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, max_requests: int) -> float:
-    """One graphed decode step of ``max_requests`` requests near ``real_tokens`` tokens, in ms (see the docstring)."""
+def online_run(engine: graphrt.hf.HFEngine, prompts: List[List[int]], new_tokens: int, graphs: bool,
+               stats: Dict[str, Dict]) -> Run:
+    """The online path (issue 50): the first ``max_requests`` prompts added at once, then one more every
+    ``ARRIVAL_EVERY`` steps while the others decode; stepped until all ended. Keeps the session's stats()."""
+    def run() -> List[List[int]]:
+        params = graphrt.hf.RequestParams(max_new_tokens=new_tokens)
+        with engine.online(graphs=graphs) as online:
+            ids = [online.add_request(prompt, params) for prompt in prompts[:engine.max_requests]]
+            step = 0
+            while len(ids) < len(prompts) or online.busy:
+                if len(ids) < len(prompts) and step % ARRIVAL_EVERY == 0:
+                    ids.append(online.add_request(prompts[len(ids)], params))
+                online.step()
+                step += 1
+            stats.update(online.stats())
+            return [online.output(request_id).tokens for request_id in ids]
+
+    return run
+
+
+def online_row(name: str, tokens: List[List[int]], expected: List[List[int]], seconds: float,
+               stats: Dict[str, Dict]) -> str:
+    """A row of the online table: tokens equal, tokens/s, steps, medians of the per-request times."""
+    serve, requests = stats["serve"], stats["requests"].values()
+
+    def median_ms(key: str) -> str:
+        values = sorted(request[key] for request in requests if request[key] is not None)
+        return f"{1e3 * values[len(values) // 2]:.1f}" if values else "-"
+
+    generated = sum(len(row) for row in tokens)
+    steps = serve["decode_steps"] + serve["prefill_steps"]
+    outside = serve["seconds"] - serve["runner_seconds"]
+    return (f"| {name} | {'yes' if tokens == expected else '**no**'} | {generated / seconds:.0f} | {steps} | "
+            f"{1e3 * serve['runner_seconds'] / steps:.2f} | {1e3 * outside / steps:.2f} | {median_ms('queue_s')} | "
+            f"{median_ms('ttft_s')} | {median_ms('tpot_s')} |")
+
+
+def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int,
+                   max_requests: int) -> Tuple[float, Dict[str, float]]:
+    """One graphed decode step of ``max_requests`` requests near ``real_tokens`` tokens, in ms (see the
+    docstring), and what capturing that engine took (``stats()["capture"]``)."""
     prompts = ragged_prompts([real_tokens - DECODE_STEPS] * max_requests, seed=5)
     engine = graphrt.hf.engine_model(model, max_requests=max_requests, max_context=max_context, max_step_tokens=64,
                                      kv_slots=max_requests * real_tokens + 1)
@@ -100,7 +143,13 @@ def decode_step_ms(model: torch.nn.Module, max_context: int, real_tokens: int, m
         engine.generate(prompts, max_new_tokens=1 + DECODE_STEPS, eos_token_id=None)
         serve = engine.stats()["serve"]
         times.append(serve["decode_runner_seconds"] / serve["decode_steps"])
-    return 1e3 * min(times[1:])
+    return 1e3 * min(times[1:]), engine.stats()["capture"]
+
+
+def capture_cells(capture: Dict[str, float]) -> str:
+    """An engine's capture as Markdown cells: runners, graphs, seconds, graph pools, pool MiB."""
+    return (f"{capture['runners']} | {capture['graphs']} | {capture['seconds']:.2f} | {capture['graph_pools']} | "
+            f"{capture['pool_bytes'] / 2**20:.1f}")
 
 
 def kv_line(engine: graphrt.hf.HFEngine) -> str:
@@ -196,15 +245,30 @@ def main(argv: Optional[List[str]] = None) -> None:
         print("| " + " | ".join(row) + " |")
 
     print()
+    print(f"Online (engine.online()): {args.max_requests} requests added at once, then one more every "
+          f"{ARRIVAL_EVERY} steps while the others decode; medians over the requests (host clock):")
+    print("| path | tokens equal generate() | tokens/s | steps | ms/step in runner | ms/step outside runner | queue ms | "
+          "time to first token ms | ms per output token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, graphs in (("graphrt online, eager", False), ("graphrt online, graphs", True)):
+        stats: Dict[str, Dict] = {}
+        tokens, seconds = timed(online_run(engine, prompts, args.new_tokens, graphs, stats))
+        print(online_row(name, tokens, expected, seconds, stats))
+
+    print()
     print(kv_line(engine))
     print()
+    print("Capture per engine (| runners | graphs | seconds | graph pools | pool MiB |): "
+          f"| {capture_cells(engine.stats()['capture'])} |")
+    print()
     print(f"Decode step against max_context ({args.max_requests} requests of about {args.real_tokens} tokens, graphs):")
-    print("| max_context | ms per decode step | against the smallest |")
-    print("| --- | --- | --- |")
-    times = [(int(context), decode_step_ms(model, int(context), args.real_tokens, args.max_requests))
+    print("| max_context | ms per decode step | against the smallest | runners | graphs | capture s | graph pools "
+          "| pool MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    times = [(int(context), *decode_step_ms(model, int(context), args.real_tokens, args.max_requests))
              for context in args.contexts.split(",")]
-    for context, ms in times:
-        print(f"| {context} | {ms:.2f} | {ms / times[0][1]:.2f}x |")
+    for context, ms, capture in times:
+        print(f"| {context} | {ms:.2f} | {ms / times[0][1]:.2f}x | {capture_cells(capture)} |")
 
 
 if __name__ == "__main__":

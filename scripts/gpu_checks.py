@@ -166,7 +166,7 @@ def check_invalidated_then_healthy(device: str, replays: int = 200) -> Dict[str,
     expect(key_names(runner, GraphStatus.READY) == ["decode/bs=2", "decode/bs=4"],
            f"ready keys after the invalidated capture: {key_names(runner, GraphStatus.READY)}")
     torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # asserts no capture still routes to a pool (pytorch#180395)
+    torch.cuda.empty_cache()  # legal; it asserted a routing left only up to torch 2.7 (from 2.8 it skips, pytorch#158152)
     batches = [decode_batch(size, device, seed=size) for size in (2, 3, 4)]
     for batch in batches:  # each real size cuts its outputs once
         got, want = runner(batch), eager(model, batch)

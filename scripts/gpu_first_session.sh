@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first GPU session in one call (issue 40): versions, probes, the last rounds' fixes, pool checks, a
-# Hugging Face smoke, NCCL lockstep, the other cuda tests, in that order, under one 9-minute budget (each step
-# capped; one that would overrun is skipped and named). No make, no pip: the image's python3 and torch.
+# Hugging Face smoke, the engine's rows, NCCL lockstep, the other cuda tests, in that order, under one 9-minute
+# budget (each step capped; one that would overrun is skipped and named). No make, no pip: the image's python3 and torch.
 #
 #   scripts/gpu_first_session.sh              # summary.txt and up to six step files in ${OUT:-gpu_out}
 #   GPU_SESSION_BUDGET_S=300 scripts/gpu_first_session.sh

@@ -1,7 +1,18 @@
-"""A minute or two that tells whether this GPU's torch behaves as graphrt's CUDA backend assumes (issues 33, 40).
+"""Half a minute that tells whether this GPU's torch behaves as graphrt's CUDA backend assumes (issues 33, 40, 48).
 
-    PYTHONPATH=. python3 scripts/gpu_probe.py                 # every probe, each in a process of its own
+    PYTHONPATH=. python3 scripts/gpu_probe.py                 # every probe, in one child process
     PYTHONPATH=. python3 scripts/gpu_probe.py --probe NAME    # one probe, in this process
+    PYTHONPATH=. python3 scripts/gpu_probe.py --here          # every probe, in this process
+
+Every probe runs in one interpreter (one torch import, one CUDA context: issue 48 measured 13 cold
+interpreters at 60 to 110 s), in an order that keeps them apart: the process's first capture first
+(``first_capture_generator_segment`` measures it), memory measured from an emptied cache, the default
+generator's capture ended between two probes (``settle``), and last the probes that may leave the
+process unfit for others (the default generator stuck after a failed
+``grouped_mm`` capture, an allocator assertion, freed memory a replay reads on a torch after 2.11). If
+that process dies, the probe it was running is reported with its exit code and the ones after it run in
+a new process. ``GPU_SESSION_LAUNCHER`` (a script put before the child's command line) and
+``GRAPHRT_PROBE_DEVICE`` (``cpu`` over the fake torch.cuda) serve the session's rehearsal on a CPU.
 
 Each probe runs plain ``torch.cuda`` calls (and, where graphrt has a remedy, the remedy), prints one
 JSON line with what it saw, what graphrt's model of this torch (tests/fake_cuda.py) expects, and
@@ -17,15 +28,19 @@ Issue 33's rules:
   the first free memory (the stream's cuBLAS workspace, pytorch#175276: after 2.11) that the second
   still uses, and does clearing the workspaces around each capture (graphrt's remedy) prevent it?
 - ``capture_executes_nothing``: an output read between ``capture_end`` and the first replay.
-- ``empty_cache_during_capture``: ``torch.cuda.empty_cache()`` while a capture is under way.
+- ``empty_cache_during_capture``: ``torch.cuda.empty_cache()`` while a capture is under way: an
+  INTERNAL ASSERT up to torch 2.7; from 2.8 (pytorch#158152; the H200 session on 2.11) no error, a block
+  cached in the default pool stays reserved, and the capture ends and replays right.
 - ``segment_rounding``: the pool bytes a 7.8 MiB and a 1 KiB output reserve (20 MiB, 2 MiB), the
   default generator registered already.
 
 Issue 40's predictions, one probe each (the number is the issue's item):
 
-- 1 ``replay_during_another_capture``: while another thread captures, does a replay and an eager
-  draw raise "Offset increment outside graph capture" (torch <= 2.11: the generator's flag is the
-  process's), and does the replay work once that capture ended?
+- 1 ``replay_during_another_capture``: while another thread captures, does an eager draw and the
+  replay of a graph that drew random numbers raise "Offset increment outside graph capture" (torch
+  <= 2.11: the generator's flag is the process's), does the replay of a graph that drew nothing work
+  (every release: ``replay_prologue`` returns before ``increase()`` when the graph drew nothing,
+  pytorch#143777; issue 48), and do both replay once that capture ended?
 - 2 ``grouped_mm_fallback``: a ``grouped_mm`` with offsets captured in float32 and bfloat16: does
   each capture fail exactly where graphrt's ``grouped_mm_fallback_reason`` says it syncs (every
   dtype but bfloat16; bfloat16 off compute capability 9.x/10.x)?
@@ -47,12 +62,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -63,10 +79,12 @@ from graphrt.backends.cuda_pool import (  # noqa: E402
     CAPTURE_ERROR_MODE, clear_cublas_workspaces, cublas_workspace_bytes, empty_capture, private_binding,
 )
 from graphrt.backends.op_graph import grouped_mm_fallback_reason  # noqa: E402
+from graphrt.backends.session import torch_release  # noqa: E402
 
-PROBE_TIMEOUT_S = 60
+PROBE_TIMEOUT_S = 60  # one probe at most (each takes a second or two on a GPU)
 MIB = 1 << 20
-DEVICE = "cuda"  # tests/test_gpu_probe.py runs the probes over the fake torch.cuda, on CPU tensors
+# tests/test_gpu_probe.py runs the probes over the fake torch.cuda, on CPU tensors; so does the session's rehearsal
+DEVICE = os.environ.get("GRAPHRT_PROBE_DEVICE", "cuda")
 
 
 def torch_after_2_11() -> bool:
@@ -125,8 +143,10 @@ def _captured(step: Callable[[], Any], pool: Any = None) -> "torch.cuda.CUDAGrap
 
 
 def _reserved_growth(run: Callable[[], Any]) -> int:
-    """The bytes ``run()`` adds to ``memory_reserved()``."""
+    """The bytes ``run()`` adds to ``memory_reserved()``, from an emptied cache (what earlier probes of the
+    process left cached is not counted, nor freed by ``run``)."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     run()
     torch.cuda.synchronize()
@@ -234,13 +254,16 @@ def probe_second_capture_in_another_thread() -> Dict[str, Any]:
 
 def probe_replay_during_another_capture() -> Dict[str, Any]:
     x = torch.ones(4, device=DEVICE)
-    graph = _captured(lambda: x * 2)
-    replay_error, draw_error = _while_another_thread_captures(lambda: (_error_of(graph.replay), _draw()))
-    after = _error_of(graph.replay)
+    plain = _captured(lambda: x * 2)
+    drawing = _captured(lambda: x * torch.rand(4, device=DEVICE))  # its whole-graph increment is above 0
+    plain_error, drawing_error, draw_error = _while_another_thread_captures(
+        lambda: (_error_of(plain.replay), _error_of(drawing.replay), _draw()))
+    after = {"plain": _error_of(plain.replay), "drawing": _error_of(drawing.replay)}
     expected_raise = not torch_after_2_11()
-    return {"replay_error": replay_error, "draw_error": draw_error, "replay_error_after": after,
-            "expected_raise": expected_raise,
-            "agrees": bool(replay_error) == expected_raise and bool(draw_error) == expected_raise and after == ""}
+    return {"plain_replay_error": plain_error, "drawing_replay_error": drawing_error, "draw_error": draw_error,
+            "replay_errors_after": after, "expected_raise": expected_raise,
+            "agrees": plain_error == "" and bool(drawing_error) == expected_raise and bool(draw_error) == expected_raise
+            and after == {"plain": "", "drawing": ""}}
 
 
 def probe_first_capture_generator_segment() -> Dict[str, Any]:
@@ -268,19 +291,30 @@ def probe_cublas_workspace_in_pool() -> Dict[str, Any]:
 
 
 def probe_empty_cache_during_capture() -> Dict[str, Any]:
+    """Up to 2.7 an INTERNAL ASSERT (``synchronize_and_free_events``: ``captures_underway.empty()``); from 2.8
+    (pytorch#158152) no error and the default pools left as they are while a capture routes (a block cached
+    there stays reserved), the capture ending and replaying as if the call had not been made."""
+    cached = torch.empty(4 * MIB, dtype=torch.uint8, device=DEVICE)
+    del cached  # a block cached in the default pool: empty_cache() outside a capture would free it
+    torch.cuda.synchronize()
+    x = torch.ones(4, device=DEVICE)
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
-        try:
-            torch.cuda.empty_cache()
-            error = ""
-        except RuntimeError as caught:
-            error = str(caught).splitlines()[0]
-        try:
-            graph.capture_end()
-        except RuntimeError:
-            pass
-    return {"empty_cache_error": error, "agrees": bool(error)}
+        y = x * 2
+        reserved_before = torch.cuda.memory_reserved()
+        error = _error_of(torch.cuda.empty_cache)
+        reserved_after = torch.cuda.memory_reserved()
+        end_error = _error_of(graph.capture_end)
+    replay_error = "" if end_error else _error_of(graph.replay)
+    torch.cuda.synchronize()
+    replays_right = not (end_error or replay_error) and bool(torch.equal(y, x * 2))
+    expected_raise = torch_release() <= (2, 7)
+    kept = reserved_after >= reserved_before
+    agrees = bool(error) if expected_raise else (not error and kept and replays_right)
+    return {"empty_cache_error": error, "reserved_before": reserved_before, "reserved_after": reserved_after,
+            "capture_end_error": end_error, "replay_error": replay_error, "replays_right": replays_right,
+            "expected_raise": expected_raise, "agrees": agrees}
 
 
 def probe_segment_rounding() -> Dict[str, Any]:
@@ -372,19 +406,21 @@ def probe_failed_capture_pool_released() -> Dict[str, Any]:
             "agrees": plain == expected and remedied == 0}
 
 
+# In the order one process runs them (module docstring): the process's first capture first, the probes
+# that may leave it unfit for the others last.
 PROBES: Dict[str, Callable[[], Dict[str, Any]]] = {
-    "rng_after_invalidated_capture": probe_rng_after_invalidated_capture,
-    "reset_frees_cublas_workspace": probe_reset_frees_cublas_workspace,
+    "first_capture_generator_segment": probe_first_capture_generator_segment,
     "capture_executes_nothing": probe_capture_executes_nothing,
-    "empty_cache_during_capture": probe_empty_cache_during_capture,
     "segment_rounding": probe_segment_rounding,
-    "replay_during_another_capture": probe_replay_during_another_capture,
-    "grouped_mm_fallback": probe_grouped_mm_fallback,
     "cublas_workspace_in_pool": probe_cublas_workspace_in_pool,
     "second_capture_in_another_thread": probe_second_capture_in_another_thread,
-    "first_capture_generator_segment": probe_first_capture_generator_segment,
+    "replay_during_another_capture": probe_replay_during_another_capture,
     "warmup_activations_reserved": probe_warmup_activations_reserved,
+    "rng_after_invalidated_capture": probe_rng_after_invalidated_capture,
     "failed_capture_pool_released": probe_failed_capture_pool_released,
+    "empty_cache_during_capture": probe_empty_cache_during_capture,  # an allocator assertion up to torch 2.7
+    "grouped_mm_fallback": probe_grouped_mm_fallback,  # leaves the default generator stuck where a capture fails
+    "reset_frees_cublas_workspace": probe_reset_frees_cublas_workspace,  # after 2.11: a replay reads freed memory
 }
 
 
@@ -396,30 +432,67 @@ def run_probe(name: str) -> Dict[str, Any]:
         return {"probe": name, "agrees": False, "error": f"{type(error).__name__}: {error}"}
 
 
-def run_isolated(name: str) -> Dict[str, Any]:
-    """One probe in a fresh process (a lost CUDA context ends only its own), with its exit code on a crash."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--probe", name]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"probe": name, "agrees": False, "error": f"timed out after {PROBE_TIMEOUT_S} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return {"probe": name, "agrees": False, "error": f"exit code {done.returncode}: {done.stderr[-2000:]}"}
-    return json.loads(lines[-1])
+def settle() -> None:
+    """Between two probes of one process: the default generator's capture ended (a probe whose capture
+    failed leaves it on up to torch 2.11: graphrt's remedy, one empty capture) and the cache emptied."""
+    gc.collect()
+    _error_of(lambda: _captured(lambda: None).reset())
+    _error_of(torch.cuda.empty_cache)
+
+
+def child_command(*args: str) -> List[str]:
+    """This script in a new interpreter (after ``GPU_SESSION_LAUNCHER``'s script, when set)."""
+    launcher = os.environ.get("GPU_SESSION_LAUNCHER")
+    return [sys.executable, *([launcher] if launcher else []), str(Path(__file__).resolve()), *args]
+
+
+def run_in_children(names: List[str]) -> Iterator[Dict[str, Any]]:
+    """Each probe's line as it ends, from one child process running ``names`` in order (``--here``); when a
+    child dies or overruns, the probe it was on is reported so and the rest run in a new child."""
+    while names:
+        budget = PROBE_TIMEOUT_S * len(names)
+        process = subprocess.Popen(child_command("--here", *names), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        timer = threading.Timer(budget, process.kill)
+        timer.start()
+        done, other = 0, []
+        for line in process.stdout:
+            if line.startswith('{"probe"'):
+                done += 1
+                yield json.loads(line)
+            else:
+                other.append(line)
+        process.wait()
+        overran = not timer.is_alive()
+        timer.cancel()
+        names = names[done:]
+        if names:
+            why = (f"timed out: {len(names) + done} probes did not end within {budget} s" if overran
+                   else f"exit code {process.returncode}: {''.join(other)[-2000:]}")
+            yield {"probe": names[0], "agrees": False, "error": why}
+            names = names[1:]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probe", choices=sorted(PROBES), help="run this probe here (default: each in a process)")
+    parser.add_argument("--probe", choices=sorted(PROBES), help="run this probe here")
+    parser.add_argument("--here", nargs="*", choices=sorted(PROBES), metavar="NAME",
+                        help="run these probes (default: every probe) here, in order")
     args = parser.parse_args(argv)
+    if args.here is not None or args.probe:  # here: one line per probe as it ends
+        names = [args.probe] if args.probe else (args.here or list(PROBES))
+        results = []
+        for name in names:
+            results.append(run_probe(name))
+            print(json.dumps(results[-1], default=str), flush=True)
+            settle()
+        return 0 if all(result.get("agrees") for result in results) else 1
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}), flush=True)
-    names = [args.probe] if args.probe else list(PROBES)
     results = []
-    for name in names:  # each line as soon as its probe ends: a session cut short keeps the lines before
-        results.append(run_probe(name) if args.probe else run_isolated(name))
-        print(json.dumps(results[-1], default=str), flush=True)
+    for result in run_in_children(list(PROBES)):  # each line as soon as its probe ends: a cut session keeps them
+        results.append(result)
+        print(json.dumps(result, default=str), flush=True)
     return 0 if all(result.get("agrees") for result in results) else 1
 
 

@@ -229,11 +229,13 @@ def mlp():
     return Mlp(), (_rows(),)
 
 
-def kv_cache():
+def kv_cache(device: str = "cpu"):
+    """The model moved to ``device`` before it is wrapped: ``scratch_state`` names the tensor the step writes
+    (a wrapper's ``.cuda()`` is the module's, which moves it into new tensors and returns the bare module)."""
     torch.manual_seed(0)
-    model = KvCacheModel()
+    model = KvCacheModel().to(device)
     return (wrap(model, max_batch_size=16, pad_values={"slots": model.scratch_slot}, scratch_state=[model.k_cache]),
-            (_rows(), torch.tensor([3, 5, 7, 9])))
+            (_rows().to(device), torch.tensor([3, 5, 7, 9], device=device)))
 
 
 def padded_store():

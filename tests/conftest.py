@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import gemm_rounding
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from graphrt import ForwardBatch, ForwardMode
 from graphrt.parallel.lockstep import pad_forward_batch
 
 SCRATCH_SLOT = 0
+gemm_rounding.install()  # GRAPHRT_TEST_GEMM_ROUNDING=1: GEMMs round per batch size (tests/gemm_rounding.py)
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 BACKENDS = [

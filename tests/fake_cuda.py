@@ -24,8 +24,9 @@ source it follows; they agree from 2.4 to 2.13 unless a ``TorchBehaviour`` says 
   abort) and at 0 makes the pool freeable. pytorch#190348 (merged upstream; backported to ROCm's
   2.11-2.13 branches) also releases a failed capture's reference.
 - A freeable pool stays in ``graph_pools`` under its id until ``empty_cache`` (``release_cached_blocks``)
-  finds none of its blocks in use; ``synchronize_and_free_events`` asserts ``captures_underway`` is
-  empty first (the crash pytorch#180395 reports).
+  finds none of its blocks in use. Up to 2.7 ``synchronize_and_free_events`` asserts ``captures_underway``
+  is empty first (the crash pytorch#180395 reports); from 2.8 (pytorch#158152; the H200 probe on 2.11)
+  ``empty_cache`` during a capture raises nothing and frees none of the default pools' blocks.
 - A host sync while a stream captures (``.item()``, ``torch.cuda.synchronize()``) raises and
   invalidates the capture (cudaErrorStreamCaptureUnsupported; cudaStreamCaptureMode).
 - ``torch.cuda.is_current_stream_capturing()`` is true for an active or an invalidated capture
@@ -41,9 +42,11 @@ pool memory holds whatever was there. The default CUDA generator's capture (``ca
 ``capture_begin``, ``capture_epilogue`` at the end of a successful ``capture_end``) sticks after an
 invalidated capture up to 2.11: every later eager draw raises "Offset increment outside graph
 capture" until a capture succeeds (pytorch#176752 runs the epilogue first). Up to 2.11 that flag is
-one for the process (issue 40): while any capture is under way, another thread's eager draw and
-every replay (``replay_prologue``) raise it; the first graph to register the generator allocates its
-seed and offset outside the pools (a 2 MiB segment). Captures on several streams at once are legal
+one for the process (issue 40): while any capture is under way, another thread's eager draw and the
+replay of a graph that drew (``replay_prologue``) raise it; a graph that drew nothing replays
+(``replay_prologue`` returns before ``increase()`` when its whole-graph increment is 0, pytorch#143777,
+from 2.7; issue 48). The first graph to register the generator allocates its seed and offset outside
+the pools (a 2 MiB segment). Captures on several streams at once are legal
 (``cudaStreamBeginCapture`` in ``thread_local`` mode). cuBLAS keeps one workspace per stream,
 allocated in the capture's pool on the first matmul captured there (32 MiB on the Hopper modelled,
 ``get_device_capability``) and reused by every later capture on that stream; from pytorch#175276
@@ -52,6 +55,12 @@ allocated in the capture's pool on the first matmul captured there (32 MiB on th
 non-owning output) then reads freed memory, an illegal address. A capture past the allocator's
 ``capacity`` runs out of memory (it cannot free other pools' cached segments). Blocks round to 512
 bytes in 2 MiB / 20 MiB / own segments (tests/fake_cuda_allocator.py).
+
+Events (``torch.cuda.Event``) complete at once (the CPU ran the work before them), unless their stream is
+stalled (``FakeStream.stall``: a kernel that never completes, as a captured NCCL collective waiting for a
+peer that died, which ProcessGroupNCCL's watchdog never sees; issue 48): then an event recorded after it
+never completes, and a host sync with that stream (``.item()``, ``synchronize()``) raises ``FakeHang``
+where the host would wait forever.
 
 Not modelled: kernels' timing and streams' ordering (capture runs the ops on the CPU, then replaces
 what they made with garbage; its in-place writes to older tensors happen, where a GPU only records
@@ -108,6 +117,7 @@ class FakeStream:
         self.mode: Optional[str] = None
         self.thread: Optional[int] = None  # the thread that began the capture
         self.graph: Optional["FakeCUDAGraph"] = None
+        self.stalled: Optional[str] = None  # a kernel that never completes (``stall``)
 
     def wait_stream(self, stream: "FakeStream") -> None:
         """Stream ordering is not modelled (the CPU runs every op at once)."""
@@ -117,6 +127,12 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self.cuda.refuse_sync("cudaStreamSynchronize")
+        self.cuda.hang_on(self, "cudaStreamSynchronize")
+
+    def stall(self, why: str) -> None:
+        """A kernel on this stream that never completes (a collective waiting for a peer that is gone): the
+        events recorded after it never complete, and a host sync with it waits forever (``FakeHang``)."""
+        self.stalled = why
 
     def begin_capture(self, graph: "FakeCUDAGraph", mode: str) -> None:
         if self.status != "none":
@@ -132,6 +148,33 @@ class FakeStream:
 
     def invalidate(self) -> None:
         self.status = "invalidated"
+
+
+class FakeHang(RuntimeError):
+    """The host would wait here forever: a sync with a stream whose kernel never completes."""
+
+
+class FakeEvent:
+    """``torch.cuda.Event``: ``record`` on a stream (the current one by default); it completes once the work
+    queued there before it has, which is at once here unless the stream is stalled (``FakeStream.stall``)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.done = True
+        self.stream: Optional[FakeStream] = None
+
+    def record(self, stream: Optional[FakeStream] = None) -> None:
+        self.stream = stream if stream is not None else FakeCuda.installed.current_stream()
+        self.done = self.stream.stalled is None
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            raise FakeHang(f"the host would wait forever for an event after a stalled kernel ({self.stream.stalled})")
+
+    def wait(self, stream: Optional[FakeStream] = None) -> None:
+        """Stream ordering is not modelled."""
 
 
 class RecordedOp:
@@ -177,6 +220,7 @@ class FakeCUDAGraph:
         self.referenced = False  # beginAllocateToPool took a reference on pool_id
         self.capture_ended = False
         self.ops: List[RecordedOp] = []
+        self.drew = False  # its capture drew from the default generator (a whole-graph increment above 0)
         self.workspaces: List[object] = []  # the cuBLAS workspaces its kernels use
         self.pool_storages: Set[int] = set()  # the memory its capture allocated (data pointers)
         self.cuda.graphs.add(self)
@@ -230,7 +274,7 @@ class FakeCUDAGraph:
     def replay(self) -> None:
         if not self.capture_ended:
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
-        self.cuda.effects.check_replay()
+        self.cuda.effects.check_replay(self)
         self.cuda.effects.check_workspaces(self)
         with torch.no_grad(), _disable_current_modes():  # a launch: no dispatch mode sees its kernels
             for op in self.ops:
@@ -272,8 +316,10 @@ class RecordingMode(TorchDispatchMode):
         if stream.status != "none" and func in HOST_SYNC_OPS:
             stream.invalidate()
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
+        if func in HOST_SYNC_OPS:
+            self.cuda.hang_on(stream, str(func))
         effects.check_reads(func, args, kwargs)
-        effects.check_draw(func, args, kwargs, stream.status != "none")
+        effects.check_draw(func, args, kwargs, stream)
         if stream.status != "active":
             return func(*args, **kwargs)
         with effects.writing_nothing(func, args, kwargs):
@@ -296,7 +342,7 @@ class FakeCuda:
 
     def __init__(self, behaviour: TorchBehaviour) -> None:
         self.behaviour = behaviour
-        self.allocator = FakeAllocator()
+        self.allocator = FakeAllocator(behaviour.empty_cache_asserts_in_capture)
         self.uids = itertools.count(1)
         self.streams: List[FakeStream] = []
         self.default_stream = FakeStream(cuda=self, default=True)
@@ -335,6 +381,13 @@ class FakeCuda:
 
     def synchronize(self, device: Any = None) -> None:
         self.refuse_sync("cudaDeviceSynchronize")
+        for stream in self.streams:
+            self.hang_on(stream, "cudaDeviceSynchronize")
+
+    def hang_on(self, stream: FakeStream, call: str) -> None:
+        """``call`` syncs the host with ``stream``: ``FakeHang`` if a kernel there never completes."""
+        if stream.stalled is not None:
+            raise FakeHang(f"{call}: the host would wait forever for a stalled kernel ({stream.stalled})")
 
     def is_current_stream_capturing(self) -> bool:
         return self.current_stream().status != "none"
@@ -367,7 +420,7 @@ class FakeCuda:
         """The ``torch.cuda`` names the fake replaces."""
         return {
             "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-            "Stream": FakeStream, "current_stream": self.current_stream, "stream": self.stream,
+            "Stream": FakeStream, "Event": FakeEvent, "current_stream": self.current_stream, "stream": self.stream,
             "synchronize": self.synchronize, "CUDAGraph": FakeCUDAGraph, "graph_pool_handle": self.graph_pool_handle,
             "is_current_stream_capturing": self.is_current_stream_capturing, "empty_cache": self.empty_cache,
             "memory_reserved": self.memory_reserved, "memory_allocated": self.memory_allocated,

@@ -33,10 +33,15 @@ class TorchBehaviour:
     # 2.11 one flag per default generator: another thread's draw or replay raises while any capture is under
     # way), and no seed and offset tensors allocated when the first graph registers the default generator.
     rng_per_capture: bool = False
+    # empty_cache() during a capture: up to 2.7 release_cached_blocks calls synchronize_and_free_events, whose
+    # TORCH_INTERNAL_ASSERT(captures_underway.empty()) fails; from 2.8 (pytorch#158152) it skips the default
+    # pools while any capture routes (no sync, nothing of them freed, no error) and still frees freeable graph pools.
+    empty_cache_asserts_in_capture: bool = False
 
 
 # 2.12 stands for "a release after 2.11": pytorch#176752 and pytorch#175276 landed after the 2.11 branch cut.
-TORCH_2_7 = TorchBehaviour("2.7", False, False, "_cuda_endAllocateCurrentStreamToPool")
+TORCH_2_7 = TorchBehaviour("2.7", False, False, "_cuda_endAllocateCurrentStreamToPool",
+                           empty_cache_asserts_in_capture=True)
 TORCH_2_11 = TorchBehaviour("2.11", False, False, "_cuda_endAllocateToPool")
 TORCH_2_12 = TorchBehaviour("2.12", True, False, "_cuda_endAllocateToPool", True, True, True)
 TORCH_RESET_RELEASES = TorchBehaviour("pr190348", True, True, "_cuda_endAllocateToPool", True, True, True)
@@ -129,7 +134,8 @@ class FakeAllocator:
     """The caching allocator's private-pool bookkeeping (DeviceCachingAllocator), and the pinned host
     allocator's routing by pool id (CachingHostAllocator ``begin_allocate_to_pool``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, empty_cache_asserts_in_capture: bool = False) -> None:
+        self.empty_cache_asserts_in_capture = empty_cache_asserts_in_capture  # TorchBehaviour's
         self.default_pool = PrivatePool((0, 0))  # the allocations outside graph pools the fake models
         self.graph_pools: Dict[PoolId, PrivatePool] = {}
         self.freeable: Dict[PoolId, PrivatePool] = {}
@@ -209,11 +215,15 @@ class FakeAllocator:
         self.default_pool.allocate(tensor.untyped_storage())
 
     def empty_cache(self) -> None:
-        """release_cached_blocks: synchronize_and_free_events asserts no capture routes, then frees
-        each freeable pool whose blocks no tensor holds, which drops its id (cudaFree of its segments:
-        a tensor still viewing that memory then reads freed memory)."""
-        self.internal_assert(not self.captures_underway, "captures_underway.size() == 0")
-        self.default_pool.segments = [segment for segment in self.default_pool.segments if segment.allocated()]
+        """release_cached_blocks: while no capture routes, the default pool's unused segments (after
+        synchronize_and_free_events); while one does, up to 2.7 that sync's assertion fails, and from 2.8
+        the default pool is left as it is, silently (pytorch#158152). Either way then each freeable pool whose
+        blocks no tensor holds is freed, which drops its id (cudaFree of its segments: a tensor still viewing
+        that memory then reads freed memory)."""
+        if self.empty_cache_asserts_in_capture:
+            self.internal_assert(not self.captures_underway, "captures_underway.size() == 0")
+        if not self.captures_underway:
+            self.default_pool.segments = [segment for segment in self.default_pool.segments if segment.allocated()]
         for pool_id, pool in list(self.freeable.items()):
             if not pool.in_use():
                 del self.freeable[pool_id], self.graph_pools[pool_id]

@@ -16,17 +16,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_cuda import TORCH_2_11, install  # noqa: E402
 
 
+_INSTALLED = []  # the entered install() block, held: dropped, its generator would close and leave the recording mode
+
+
 def main(args: list) -> None:
     """Install the fake (never undone: the process ends with the command), then run the command line."""
-    install(pytest.MonkeyPatch(), TORCH_2_11).__enter__()
+    _INSTALLED.append(install(pytest.MonkeyPatch(), TORCH_2_11))
+    _INSTALLED[-1].__enter__()
     if args[0] == "-c":
         sys.argv = ["-c", *args[2:]]
         exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
     elif args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
+    else:  # as ``python SCRIPT`` runs it: the script's folder first on the path (its sibling modules import)
         sys.argv = list(args)
+        sys.path.insert(0, str(Path(args[0]).resolve().parent))
         runpy.run_path(args[0], run_name="__main__")
 
 

@@ -1,12 +1,15 @@
-"""What a capture does and does not execute, for tests/fake_cuda.py's fake torch.cuda (issues 33, 40).
+"""What a capture does and does not execute, for tests/fake_cuda.py's fake torch.cuda (issues 33, 40, 48).
 
 A real capture records kernels and runs none: what a captured op makes is pool memory holding
 whatever was there. Up to torch 2.11 the default CUDA generator has one capture flag for the process,
 on between ``capture_prologue`` and ``capture_epilogue`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp):
 ``CUDAGeneratorState::increase`` refuses a draw that disagrees with the calling stream's capture
-status, and every replay calls it (``replay_prologue``), so another thread's draw or replay raises
-while any capture is under way; the first graph that registers the generator allocates its seed and
-offset (two 8-byte tensors, outside any graph pool). cuBLAS caches one workspace per (handle, stream)
+status, so another thread's eager draw raises while any capture is under way. A replay calls it too
+(``replay_prologue(wholegraph_increment)``), but only for a graph that drew: since pytorch#143777
+(December 2024, in every release from 2.7) ``replay_prologue`` returns before ``increase()`` when the
+graph's capture drew nothing, so replaying such a graph during another thread's capture works. The
+first graph that registers the generator allocates its seed and offset (two 8-byte tensors, outside
+any graph pool). cuBLAS caches one workspace per (handle, stream)
 (aten/src/ATen/cuda/CublasHandlePool.cpp), allocated on the first matmul, inside a capture from the
 capture's pool: ``graphrt.backends.cuda_pool.cublas_workspace_bytes`` of the Hopper this fake
 models (``get_device_capability``), which scripts/gpu_probe.py checks on a GPU. Memory the allocator gave back to the driver is an illegal
@@ -94,18 +97,23 @@ class CaptureEffects:
         if not self.rng_graphs:
             self.rng_tensors = []
 
-    def check_replay(self) -> None:
-        """``replay_prologue``: the default generator's ``increase(0)`` outside a capture refuses while
-        its process-wide flag is on (another thread's capture under way)."""
-        if not self.cuda.behaviour.rng_per_capture and self.rng_capturing:
+    def check_replay(self, graph: "FakeCUDAGraph") -> None:
+        """``replay_prologue(wholegraph_increment)``: nothing for a graph whose capture drew nothing
+        (pytorch#143777); for one that drew, the default generator's ``increase()`` outside a capture,
+        which refuses while its process-wide flag is on (another thread's capture under way)."""
+        if graph.drew and not self.cuda.behaviour.rng_per_capture and self.rng_capturing:
             raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
 
-    def check_draw(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], capturing: bool) -> None:
-        """CUDAGeneratorState::increase for a draw from the default generator."""
+    def check_draw(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], stream: "FakeStream") -> None:
+        """CUDAGeneratorState::increase for a draw from the default generator (on ``stream``); a draw
+        inside a capture gives its graph a whole-graph increment (its replays draw)."""
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return
         if any(isinstance(leaf, torch.Generator) for leaf in tree_leaves((args, kwargs))):
             return  # an explicit generator: not modelled
+        capturing = stream.status != "none"
+        if capturing and stream.graph is not None:
+            stream.graph.drew = True
         if self.cuda.behaviour.rng_per_capture:
             return  # each capture draws from a state of its own
         if capturing and not self.rng_capturing:

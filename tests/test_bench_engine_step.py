@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -38,3 +39,31 @@ def test_step_events_on_the_cpu(scripts, capsys):
     engine_bench.main(["--step-events", "--hidden", "32", "--max-requests", "2", "--new-tokens", "3"])
     printed = capsys.readouterr().out
     assert "| graphs | 6 |" in printed and "| eager | 6 |" in printed and "n/a (no CUDA)" in printed  # 3 calls x 2 steps
+
+
+def test_the_online_rows_of_the_engine_bench(scripts):
+    """The engine bench's online path (issue 50, item 8): requests arriving while others decode, the tokens of
+    generate() on the same prompts, and the row's figures."""
+    engine_bench = importlib.import_module("bench_hf_engine")
+    import graphrt.hf
+    from hf_engine_helpers import generate_alone
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second thread only spin-waits on a shared machine
+    try:
+        check_online_rows(engine_bench, graphrt.hf, generate_alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_online_rows(engine_bench, hf, generate_alone):
+    model, prompts = engine_bench.workload("llama", 32, 5, "cpu")
+    engine = hf.engine_model(model, max_requests=2, max_context=64, max_step_tokens=32, warmup_iters=1,
+                             piecewise_sizes=[32], capture_sizes=[1, 2])
+    stats = {}
+    tokens, seconds = engine_bench.timed(engine_bench.online_run(engine, prompts, 4, True, stats))
+    expected = generate_alone(model, prompts, 4)
+    assert tokens == expected == engine.generate(prompts, max_new_tokens=4)
+    row = engine_bench.online_row("graphrt online, graphs", tokens, expected, seconds, stats)
+    assert row.startswith("| graphrt online, graphs | yes | ") and len(stats["requests"]) == len(prompts)
+    assert stats["serve"]["max_running"] == 2 and stats["serve"]["runner_seconds"] > 0

@@ -189,3 +189,27 @@ def test_cuda_keys_share_the_pool_memory_of_their_outputs(on, monkeypatch):
         out = runner(decode_batch(5, device=device, seed=1))
         batch = decode_batch(5, device=device, seed=1)
         torch.testing.assert_close(out, model(batch.input_ids, batch.positions, batch), atol=1e-4, rtol=1e-4)
+
+def test_runners_sharing_a_graph_pool_hold_one_largest_key_and_one_cublas_workspace(monkeypatch):
+    """Issue 48, item 5: an engine built a runner per decode width, each with a pool of its own (its
+    largest key's segments and a 32 MiB cuBLAS workspace each). A runner built with
+    ``share_graphs_with`` captures into the other's pool on its capture stream: its keys reuse the
+    blocks the first runner's keys reserved (their outputs are views the pool may reuse), its workspace
+    the block of the first's, so it adds nothing to the pool."""
+    vocab = 128_000
+    with install(monkeypatch, TORCH_2_11) as fake:
+        model = ToyPagedModel(vocab=vocab, device="cpu")
+        options = dict(max_batch_size=64, capture_sizes=[16, 32, 64], backend="cuda", device="cpu", progress=False)
+        first = GraphRunner(model, **options)
+        alone = first.capture().pool_bytes
+        second = GraphRunner(model, **options, share_graphs_with=first)
+        shared = second.capture().pool_bytes
+        pools = {tuple(entry.graph.graph.pool()) for runner in (first, second) for entry in runner.registry.entries.values()}
+        assert alone > 32 << 20 and shared == 0, (alone, shared)
+        assert len(pools) == 1 and second.backend is first.backend and len(fake.streams) == 2  # default + one capture stream
+        for runner in (first, second):
+            batch = decode_batch(40, seed=3)
+            torch.testing.assert_close(runner(batch), model(batch.input_ids, batch.positions, batch), atol=1e-4,
+                                       rtol=1e-4)
+        with pytest.raises(ValueError, match="share_graphs_with: expected a runner on backend 'emulated'"):
+            GraphRunner(model, max_batch_size=8, backend="emulated", share_graphs_with=first)

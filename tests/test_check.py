@@ -326,9 +326,7 @@ def test_cuda_step_reading_a_cpu_tensor():
 
 @pytest.mark.cuda
 def test_cuda_clean_model_and_state_untouched():
-    fn, args = gallery.kv_cache()
-    fn = fn.cuda()
-    args = tuple(arg.cuda() for arg in args)
+    fn, args = gallery.kv_cache("cuda")  # moved before wrap(): the wrapper's .cuda() returned the bare module
     before = fn.k_cache.clone()
     report = graphrt.check(fn, *args)
     assert report.ok and report.findings == [], str(report)
@@ -368,3 +366,15 @@ def test_runner_check_of_chosen_keys(reference):
     assert report.ok and report.recordings == 2
     with pytest.raises(ValueError, match="keys"):
         runner.check(keys=[key._replace(num_tokens=3, num_reqs=3)])
+
+
+def test_a_wrapped_modules_to_returns_the_wrapper_with_its_scratch_state_moved():
+    """The H200 session: ``wrap(model, ..., scratch_state=[model.k_cache]).cuda()`` was the bare module
+    (the wrapper passed ``.cuda`` to it), so graphrt.check saw no pad values and no scratch state and
+    reported the padding rows' KV writes. Now a module method that returns the module returns the
+    wrapper, and the scratch tensors it replaced (``.to`` makes new ones) stay scratch."""
+    fn, args = gallery.kv_cache()
+    moved = fn.to(torch.float64)  # new tensors, as .cuda() makes on a GPU
+    assert moved is fn and fn.k_cache.dtype == torch.float64
+    report = graphrt.check(moved, *(arg.double() if arg.is_floating_point() else arg for arg in args))
+    assert report.ok and report.findings == [], str(report)

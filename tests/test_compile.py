@@ -316,7 +316,8 @@ def test_every_capture_size_gets_compiled_code_and_the_users_later_calls_stay_co
     report = runner.capture()
     assert len(report.keys) == 11 and not report.failed, report.failed
     assert [key.compiled for key in report.keys] == [True] * 11, str(report)
-    assert "compiled" in str(report).splitlines()[0] and " yes " in str(report).splitlines()[1]
+    assert "compiled" in str(report).splitlines()[0] and " yes+1 " in str(report).splitlines()[1]
+    assert " yes " in str(report).splitlines()[2], "the next key runs the graph compiled for the first"
     assert len(counting.compiles_under_mode) <= 3, "one graph for every size (and Dynamo's size-1 specialization)"
     for size in (3, 5, 7, 9, 11, 13, 15, 17, 19, 21):  # the user's own calls, at sizes no key has
         runs = counting.runs
@@ -324,3 +325,47 @@ def test_every_capture_size_gets_compiled_code_and_the_users_later_calls_stay_co
         with torch.no_grad():
             compiled(batch.input_ids, batch.positions, batch)
         assert counting.runs == runs + 1, f"the compiled model ran eagerly at {size} rows"
+
+
+# ---------------------------------------------------------------- a dynamic model compiles once
+
+
+@pytest.mark.parametrize("front, how", [("runner", "dynamic=True"), ("wrap", "dynamic=True"), ("wrap", "mark_dynamic")])
+def test_a_model_compiled_dynamic_compiles_at_most_twice_across_every_capture_size(front, how):
+    """Issue 48, item 7: a model compiled with ``dynamic=True``, or called with its batch dim marked
+    dynamic, compiled a graph per capture size under graphrt (3 for sizes 1, 2 and 4): graphrt marked the
+    static inputs' batch dims, a marking the graph compiled from the user's call lacked, which Dynamo's
+    guards take for a recompile. Now a key's compile run first tries the graphs compiled before, unmarked:
+    one dynamic graph serves every size but 1, which Dynamo specializes (the report's ``compiled`` column:
+    ``yes`` for a key served by a graph compiled before, ``yes+N`` for N graphs compiled for the key)."""
+    counting = CountingBackend()
+    sizes = [1, 2, 4, 8]
+    if front == "runner":
+        model = ToyPagedModel()
+        compiled = torch.compile(model, backend=counting, dynamic=True)
+        batch = decode_batch(3, seed=3)
+        with torch.no_grad():
+            compiled(batch.input_ids, batch.positions, batch)  # the user tries the model once first
+        runner = graphrt.GraphRunner(compiled, max_batch_size=8, capture_sizes=sizes, backend="emulated",
+                                     progress=False)
+        report = runner.capture()
+        assert not report.failed and all(key.compiled for key in report.keys), str(report)
+        assert [key.compiled_graphs for key in report.keys] == [0, 0, 0, 1], str(report)
+        assert str(report).splitlines()[1].split()[-1] == "yes" and "yes+1" in str(report).splitlines()[4]
+        for size in (5, 3):
+            batch = decode_batch(size, seed=size)
+            with torch.no_grad():
+                expected = model(batch.input_ids, batch.positions, batch)
+            torch.testing.assert_close(runner(batch), expected)
+    else:
+        compiled = torch.compile(Stepper(), backend=counting, dynamic=True if how == "dynamic=True" else None)
+        fast = graphrt.wrap(compiled, max_batch_size=8, capture_sizes=sizes, backend="emulated")
+        for size in [size for size in reversed(sizes) for _ in range(3)]:  # warm-up, record, replay per size
+            x = torch.randn(size, 16)
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(x, 0)
+            with torch.no_grad():
+                fast(x)
+        assert fast.stats()["graph_runs"] >= len(sizes), fast.stats()
+    assert len(counting.compiles_under_mode) <= 2, f"{len(counting.compiles_under_mode)} compilations"
+    assert not any(counting.compiles_under_mode)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from piecewise_helpers import double_rows
 from test_cuda_pool import checks, device, older_objects_frozen, statuses  # noqa: F401 - fixtures
 
 from graphrt import GraphRunner
-from graphrt.backends.session import gc_frozen
+from graphrt.backends.session import RecordingLock, gc_frozen
 from graphrt.entry import GraphStatus
 from graphrt.reference import make_extend_batch
 
@@ -161,6 +162,43 @@ def test_the_collector_stays_off_until_the_last_capture_session_ends():
     assert not gc.isenabled()
     second.__exit__(None, None, None)
     assert gc.isenabled() == was_enabled
+
+
+def test_the_recording_lock_is_shared_by_steps_and_held_alone_by_a_recording():
+    """Issue 48, item 3: steps of several threads share the lock; a recording waits for the shares
+    then holds it alone; a waiting recording goes before new sharers; a thread that shares it and
+    records sets its share aside (no deadlock) and has it back after."""
+    lock, order = RecordingLock(), []
+    lock.acquire_shared()
+    other_shared = threading.Event()
+
+    def share() -> None:
+        lock.acquire_shared()
+        other_shared.set()
+        lock.release_shared()
+
+    sharer = threading.Thread(target=share)
+    sharer.start()
+    assert other_shared.wait(timeout=5), "a second thread's share waited for the first"
+    sharer.join()
+
+    def record() -> None:
+        with lock:
+            order.append("recorded")
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    time.sleep(0.05)
+    assert order == [], "the recording ran beside a share"
+    late = threading.Thread(target=lambda: (lock.acquire_shared(), order.append("late share"), lock.release_shared()))
+    late.start()
+    time.sleep(0.05)
+    with lock:  # this thread shares it and records: its share set aside while it waits
+        order.append("own recording")
+    lock.release_shared()
+    recorder.join(timeout=5)
+    late.join(timeout=5)
+    assert order[-1] == "late share" and sorted(order[:2]) == ["own recording", "recorded"], order
 
 
 class WaitingModel(torch.nn.Module):

@@ -64,11 +64,11 @@ def test_the_engine_on_a_moe_replays_where_grouped_mm_keeps_to_the_device(dtype,
     prompts = ragged_prompts([6, 3, 9])
     engine = graphrt.hf.engine_model(model, max_requests=2, max_context=32, max_step_tokens=4)
     tokens = engine.generate(prompts, max_new_tokens=NEW_TOKENS, arrivals=[0, 0, 2])
+    stats = engine.stats()  # generate()'s: stats() tells the last call only, and the last below runs eagerly
     if dtype is torch.float32:
         assert tokens == generate_alone(model, prompts, NEW_TOKENS)
     for graphed, eager in zip(engine.prompt_logits(prompts[:2]), engine.prompt_logits(prompts[:2], graphs=False)):
         torch.testing.assert_close(graphed, eager, **rounding_tolerance(eager))
-    stats = engine.stats()
     weight = torch.empty(2, 8, 8, device="cuda", dtype=dtype)
     syncs = experts == "grouped_mm" and grouped_mm_fallback_reason(weight[0], weight) is not None
     if syncs:  # every key running the experts fails its capture; those steps run eagerly

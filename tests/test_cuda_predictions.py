@@ -1,8 +1,9 @@
 """What a reading of torch 2.11's CUDA path predicted for the first GPU run (issue 40), fixed before it.
 
 Each scenario runs real graphrt objects over tests/fake_cuda.py, which now models what the reading
-found: the default generator's one capture flag for the process (another thread's replay or eager
-draw raises while any capture is under way), captures legal on several streams at once, the cuBLAS
+found: the default generator's one capture flag for the process (another thread's eager draw, and the
+replay of a graph that drew random numbers, raise while any capture is under way; a graph that drew
+nothing replays, pytorch#143777: issue 48), captures legal on several streams at once, the cuBLAS
 workspace and the generator's seed and offset taking memory, a failed capture's pool reference that
 torch 2.11 never gives back. Marked ``cuda``, the same scenarios run on a GPU (the ``device``
 fixture of tests/test_cuda_pool.py); scripts/gpu_probe.py checks each modelled rule there.
@@ -18,6 +19,7 @@ from typing import Any, Callable, List
 import pytest
 import torch
 from fake_cuda import TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES, FakeCuda, RecordingMode, install
+from test_cuda_first_run import DrawingModel
 from test_cuda_pool import checks, device, older_objects_frozen, statuses  # noqa: F401 - fixtures
 
 import graphrt
@@ -40,20 +42,29 @@ def in_thread(run: Callable[[], Any], fake) -> threading.Thread:
     return thread
 
 
-class CapturePause(torch.nn.Module):
-    """``checks.Misbehaving`` whose captures (not its warm-ups) tell ``capturing`` and wait up to
-    ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits for the capture."""
+class Pause(torch.nn.Module):
+    """``checks.Misbehaving`` whose runs inside a real capture (``in_capture``), or outside one (its warm-ups),
+    tell ``reached`` and wait up to ``timeout`` s for ``go``: another thread's step runs meanwhile, or waits."""
 
-    def __init__(self, inner: torch.nn.Module, capturing: threading.Event, go: threading.Event,
-                 timeout: float = 0.3) -> None:
+    def __init__(self, inner: torch.nn.Module, reached: threading.Event, go: threading.Event,
+                 timeout: float = 0.3, in_capture: bool = True) -> None:
         super().__init__()
-        self.inner, self.capturing, self.go, self.timeout = inner, capturing, go, timeout
+        self.inner, self.reached, self.go, self.timeout, self.in_capture = inner, reached, go, timeout, in_capture
 
     def forward(self, input_ids, positions, forward_batch):
-        if stream_really_captures():
-            self.capturing.set()
+        if stream_really_captures() == self.in_capture:
+            self.reached.set()
             self.go.wait(timeout=self.timeout)
         return self.inner(input_ids, positions, forward_batch)
+
+
+def serving_beside_a_capture(device, checks, pause: Pause):
+    """A captured runner serving ``Misbehaving``, and another runner of ``pause`` capturing in a thread."""
+    model = checks.Misbehaving(device=device.name)
+    serving = checks.runner_for(model, device.name, [2])
+    serving.capture()
+    capturing_runner = checks.runner_for(pause, device.name, [2])
+    return model, serving, capturing_runner, in_thread(capturing_runner.capture, device.fake)
 
 
 def stream_really_captures() -> bool:
@@ -68,12 +79,8 @@ def stream_really_captures() -> bool:
 
 def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device, checks):
     capturing, go = threading.Event(), threading.Event()
-    serving_model = checks.Misbehaving(device=device.name)
-    serving = checks.runner_for(serving_model, device.name, [2])
-    serving.capture()
-    capturing_runner = checks.runner_for(CapturePause(checks.Misbehaving(device=device.name), capturing, go),
-                                         device.name, [2])
-    thread = in_thread(capturing_runner.capture, device.fake)
+    serving_model, serving, capturing_runner, thread = serving_beside_a_capture(
+        device, checks, Pause(checks.Misbehaving(device=device.name), capturing, go))
     capturing.wait(timeout=10)
     got = [serving(checks.decode_batch(2, device.name, seed=1))]  # torch <= 2.11: raised inside the capture
     go.set()
@@ -84,11 +91,73 @@ def test_a_replay_in_another_thread_waits_for_a_capture_and_its_key_stays(device
     device.settle()
 
 
-def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks):
-    """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread):
-    torch <= 2.11 fails the replay; the step runs eagerly and the healthy key stays in use."""
+def test_a_step_in_another_thread_runs_during_a_captures_warm_ups(device, checks):
+    """Issue 48, item 3: the step lock is held around the recording only (torch <= 2.11 needs no more):
+    while another thread's capture session warms up (or compiles), a step of another runner replays at
+    once, and steps wait only for the recording itself (the test above). Before: every step waited for
+    the whole session, compile runs included."""
+    warming, go, served = threading.Event(), threading.Event(), threading.Event()
+    serving_model, serving, capturing_runner, capture = serving_beside_a_capture(
+        device, checks, Pause(checks.Misbehaving(device=device.name), warming, go, timeout=10, in_capture=False))
+    assert warming.wait(timeout=10)
+    batch, got = checks.decode_batch(2, device.name, seed=1), []
+    server = in_thread(lambda: (got.append(serving(batch).clone()), served.set()), device.fake)
+    served_during_warm_up = served.wait(timeout=5)
+    go.set()
+    capture.join(timeout=30)
+    server.join(timeout=30)
+    assert served_during_warm_up, "the step waited for another thread's capture session"
+    assert torch.allclose(got[0], checks.eager(serving_model, batch), **checks.TOLERANCE)
+    assert serving.stats()["graph_runs"] == 1 and serving.stats()["eager_reasons"] == {}
+    assert statuses(capturing_runner) == {"decode/bs=2": READY}
+    device.settle()
+
+
+def test_a_users_own_draw_beside_a_capture_raises_on_2_11_unless_it_waits_in_no_recording(device, checks):
+    """Issue 48, item 3 (docs/MANUAL.md, "Random numbers while another thread captures"): graphrt cannot
+    lock out a draw it does not make; up to torch 2.11 one from the default generator raises while
+    another thread records, and ``graphrt.backends.no_recording()`` makes it wait for the recording."""
+    capturing, go = threading.Event(), threading.Event()
+    runner = checks.runner_for(Pause(checks.Misbehaving(device=device.name), capturing, go, timeout=10),
+                               device.name, [2])
+    capture = in_thread(runner.capture, device.fake)
+    assert capturing.wait(timeout=10)
+    process_wide = graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    try:
+        bare = _error_of_draw(device.name)
+        waited = threading.Timer(0.2, go.set)  # the recording ends a moment after the draw began to wait
+        waited.start()
+        with graphrt.backends.no_recording():  # waits where torch needs it (<= 2.11), holds nothing after
+            sample = torch.rand(4, device=device.name)
+        assert go.is_set() == process_wide, "the draw ran during the recording"
+    finally:
+        go.set()
+        capture.join(timeout=30)
+    assert bare.startswith("Offset increment outside graph capture") if process_wide else bare == "", bare
+    assert sample.shape == (4,) and statuses(runner) == {"decode/bs=2": READY}
+    device.settle()
+
+
+def _error_of_draw(device: str) -> str:
+    """"" when an eager draw from the default generator works, else its error's first line."""
+    try:
+        torch.rand(4, device=device)
+        return ""
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["draws-nothing", "draws"])
+def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(device, checks, draws):
+    """A capture graphrt does not lock out (the user's own ``torch.cuda.graph`` in another thread). Up to
+    torch 2.11 a replay raises during it only if its graph drew random numbers (``replay_prologue``
+    returns before ``increase()`` for a graph that drew nothing, pytorch#143777): then the step runs
+    eagerly, whose own draw raises too, so the caller gets the error, and the healthy key stays in use.
+    A graph that drew nothing replays, on every release."""
     began, go = threading.Event(), threading.Event()
     model = checks.Misbehaving(device=device.name)
+    if draws:
+        model = DrawingModel(model)  # a whole-graph increment: each replay advances the generator
     runner = checks.runner_for(model, device.name, [2])
     runner.capture()
 
@@ -103,16 +172,23 @@ def test_a_replay_raising_for_another_capture_runs_eagerly_and_keeps_its_key(dev
     thread = in_thread(users_capture, device.fake)
     began.wait(timeout=10)
     batch = checks.decode_batch(2, device.name, seed=1)
+    raised = draws and graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    error = None
     try:
         during = runner(batch).clone()
+    except RuntimeError as caught:
+        error = caught
     finally:
         go.set()
         thread.join(timeout=30)
-    raised = graphrt.backends.session.GENERATOR_FLAG_PROCESS_WIDE
+    if raised:
+        assert error is not None and "Offset increment outside graph capture" in str(error)
+    else:
+        assert error is None, error
+        assert torch.allclose(during, checks.eager(model, batch), **checks.TOLERANCE)
     assert runner.stats()["eager_reasons"] == ({"replay_failed": 1} if raised else {})
     assert statuses(runner) == {"decode/bs=2": READY}
     assert checks.replay_equal_eager(runner, model, device.name, [2], 1) == 1
-    assert torch.allclose(during, checks.eager(model, batch), **checks.TOLERANCE)
     device.settle()
 
 
@@ -130,6 +206,37 @@ def test_a_failed_captures_pool_is_freed_once_nothing_holds_it(behaviour, checks
         torch.cuda.empty_cache()
         assert fake.allocator.graph_pools == {}, "a pool stays reserved for the process's life"
         assert fake.allocator.asserts == [] and fake.aborts == []
+
+
+@pytest.mark.parametrize("behaviour", [TORCH_2_7, TORCH_2_11, TORCH_RESET_RELEASES],
+                         ids=["fake-torch-2.7", "fake-torch-2.11", "fake-torch-pr190348"])
+def test_a_capture_begin_failing_after_its_pool_routing_gives_its_reference_back(behaviour, checks, monkeypatch):
+    """Issue 48, item 6: ``capture_begin`` takes the pool reference and routes the pool
+    (``beginAllocateToPool``) before ``cudaStreamBeginCapture``, which may fail; the graph's ``reset()``
+    gives back no reference of a capture that never ended (up to 2.11). graphrt ended the routing but kept
+    the reference, so the pool stayed reserved for the process's life; now the routing it ended says the
+    reference was taken, and it gives it back (never where torch's reset() does, pytorch#190348)."""
+    from fake_cuda import FakeStream
+
+    with install(monkeypatch, behaviour) as fake:
+        runner = checks.runner_for(checks.Misbehaving(device="cpu"), "cpu", [2, 4])
+        begin, failures = FakeStream.begin_capture, []
+
+        def begin_capture(stream, graph, mode):
+            if not failures and graph.ops == [] and stream.graph is None and fake.capturing_streams() == [] and \
+                    len(fake.pools_begun) >= 1:  # the first key's capture, after the pool's anchor
+                failures.append(graph)
+                raise RuntimeError("CUDA error: operation not supported (cudaStreamBeginCapture)")
+            return begin(stream, graph, mode)
+
+        monkeypatch.setattr(FakeStream, "begin_capture", begin_capture)
+        runner.capture()
+        assert failures and statuses(runner) == {"decode/bs=4": GraphStatus.FAILED, "decode/bs=2": READY}
+        del runner, failures
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert fake.allocator.graph_pools == {}, "a pool stays reserved for the process's life"
+        assert fake.allocator.asserts == [] and fake.aborts == [] and fake.allocator.captures_underway == []
 
 
 # ---- items 5 and 8: the cache emptied before each capture, nothing of it per call once captured --------

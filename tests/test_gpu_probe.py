@@ -44,5 +44,17 @@ def test_the_rng_probe_sees_a_stuck_generator_on_2_11_and_its_remedy(probe, monk
 @pytest.mark.cuda
 def test_every_probe_agrees_on_this_gpu(probe, monkeypatch):
     monkeypatch.setattr(probe, "DEVICE", "cuda")
-    results = [probe.run_isolated(name) for name in probe.PROBES]
+    results = list(probe.run_in_children(list(probe.PROBES)))
     assert all(result["agrees"] for result in results), results
+
+
+def test_the_replay_probe_tells_a_graph_that_drew_from_one_that_drew_nothing(probe, monkeypatch):
+    """Issue 48, item 1: on torch 2.11 another thread's capture fails the replay of a graph that drew random
+    numbers and an eager draw, not the replay of a graph that drew nothing (pytorch#143777)."""
+    monkeypatch.setattr(probe, "torch_after_2_11", lambda: False)
+    with install(monkeypatch, TORCH_2_11):
+        result = probe.run_probe("replay_during_another_capture")
+    assert result["plain_replay_error"] == "", result
+    assert result["drawing_replay_error"].startswith("Offset increment outside graph capture"), result
+    assert result["draw_error"].startswith("Offset increment outside graph capture"), result
+    assert result["agrees"], result

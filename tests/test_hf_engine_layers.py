@@ -62,6 +62,33 @@ def test_decode_attention_reads_the_width_its_requests_need(llama_engine):
     assert engine.stats()["decode_widths"] == [128]
 
 
+def test_every_decode_width_is_captured_before_the_first_step_into_one_graph_pool(monkeypatch):
+    """Issue 48, item 5: the runner of a decode width was built and captured when a request first needed
+    it, between two steps of a request (a collection, a device sync and an emptied cache in the middle of
+    serving), each into a pool of its own (on CUDA a cuBLAS workspace each). Now a call captures every
+    runner it may use before its first step, and they share one pool: a later request crossing a width
+    captures nothing."""
+    from graphrt import GraphRunner
+
+    model = tiny_model("llama")
+    engine = graphrt.hf.engine_model(model, max_requests=2, max_context=256, max_step_tokens=32, warmup_iters=1,
+                                     piecewise_sizes=[32], capture_sizes=[2])
+    events = []
+    capture, call = GraphRunner.capture, GraphRunner.__call__
+    monkeypatch.setattr(GraphRunner, "capture", lambda runner: (events.append("capture"), capture(runner))[1])
+    monkeypatch.setattr(GraphRunner, "__call__", lambda runner, batch: (events.append("step"), call(runner, batch))[1])
+    short = ragged_prompts([5, 9], seed=21)
+    assert engine.generate(short, max_new_tokens=3) == generate_alone(model, short, 3)
+    assert events.index("step") == 3 and events.count("capture") == 3, events  # prefill@64, then 256, 128
+    summary = engine.stats()["capture"]
+    assert summary["runners"] == 3 and summary["graph_pools"] == 1 and summary["graphs"] >= 3, summary
+    assert len({id(runner.backend) for runner in engine.runners.all().values()}) == 1
+    events.clear()
+    long = ragged_prompts([70], seed=22)
+    assert engine.generate(long, max_new_tokens=2) == generate_alone(model, long, 2)
+    assert "capture" not in events and engine.stats()["decode_widths"] == [128], events
+
+
 def test_latent_attention_is_stored_per_head_and_says_what_the_latent_takes():
     engine = graphrt.hf.engine_model(tiny_model("deepseek-v3"), max_requests=2, max_context=16)
     kv = engine.kv_bytes()  # 4 heads x (16 + 8) float32 per token and layer; the latent: 16, and 8 rotary

@@ -21,8 +21,9 @@ EOS = (2, 5)
 MAX_NEW = 6
 
 
-def transformers_processors(config: GenerationConfig, prompt_length: int):
-    """What generate() builds for one request of ``prompt_length`` tokens, in its order."""
+def transformers_processors(config: GenerationConfig, prompt_length: int, stops=EOS):
+    """What generate() builds for one request of ``prompt_length`` tokens whose stop ids are ``stops`` (given to
+    generate() as ``eos_token_id``), in its order."""
     made = []
     if config.repetition_penalty not in (None, 1.0):
         made.append(hf.RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
@@ -31,9 +32,9 @@ def transformers_processors(config: GenerationConfig, prompt_length: int):
     if config.bad_words_ids is not None:
         made.append(hf.NoBadWordsLogitsProcessor(config.bad_words_ids, list(EOS)))
     if config.min_length:
-        made.append(hf.MinLengthLogitsProcessor(config.min_length, list(EOS)))
+        made.append(hf.MinLengthLogitsProcessor(config.min_length, list(stops)))
     if config.min_new_tokens:
-        made.append(hf.MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, list(EOS)))
+        made.append(hf.MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, list(stops)))
     if config.forced_bos_token_id is not None:
         made.append(hf.ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
     if config.forced_eos_token_id is not None:
@@ -69,6 +70,15 @@ CONFIGS = {
 # generate() begins suppressing), a row at the forced EOS step, rows short of an n-gram or holding exactly a
 # bad word's prefix, rows with repeats
 ROWS = [(1, 0), (2, 0), (3, 1), (3, MAX_NEW - 1), (5, 2), (2, 1), (6, 4), (1, 1)]
+# each row's stop ids: the EOS ids, and for some rows stop ids of their own (held back beside EOS)
+STOPS = [EOS, EOS + (7,), EOS, EOS + (3, 9), EOS, EOS + (0,), EOS, EOS + (11,)]
+
+
+def row_stops(config: GenerationConfig) -> dict:
+    """What the engine's chooser gathers for the rows: each one's minimum of new tokens and stop ids (-1 past)."""
+    width = max(len(stops) for stops in STOPS)
+    return dict(min_new=torch.full((len(ROWS),), config.min_new_tokens or 0),
+                stops=torch.tensor([list(stops) + [-1] * (width - len(stops)) for stops in STOPS]))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -82,11 +92,11 @@ def test_each_row_gets_what_transformers_gives_it_alone(name):
     ids[2, :4] = torch.tensor([0, 3, 3, 4])  # ends with the prefix [3] of [3, 4]... and repeats 3
     scores = torch.randn((len(ROWS), VOCAB), generator=generator) * 3
     scores[1, 4], scores[2, 7], scores[4, 0] = float("nan"), float("inf"), -float("inf")
-    rows = RowIds(ids, torch.tensor(lengths), torch.tensor([prompt for prompt, _ in ROWS]))
+    rows = RowIds(ids, torch.tensor(lengths), torch.tensor([prompt for prompt, _ in ROWS]), **row_stops(config))
     batched = rules.apply(scores.clone(), rows if rules.needs_ids else None)
     for row, (prompt, output) in enumerate(ROWS):
         alone = scores[row: row + 1].clone()
-        for processor in transformers_processors(config, prompt):
+        for processor in transformers_processors(config, prompt, STOPS[row]):
             alone = processor(ids[row: row + 1, : prompt + output], alone)
         assert torch.equal(batched[row].isnan(), alone[0].isnan()), (name, row)
         assert torch.equal(batched[row].nan_to_num(), alone[0].nan_to_num()), (name, row, batched[row], alone[0])
@@ -117,7 +127,8 @@ def test_rules_read_no_device_value_and_loop_over_no_row():
     counts = []
     for rows in (1, 7):
         ids = torch.randint(0, 6, (rows, 9))
-        row_ids = RowIds(ids, torch.full((rows,), 7), torch.full((rows,), 3))
+        row_ids = RowIds(ids, torch.full((rows,), 7), torch.full((rows,), 3), torch.full((rows,), 1),
+                         torch.tensor([[2, 5, 8]] * rows))
         rules.apply(torch.randn(rows, VOCAB), row_ids)  # the static masks, made once
         calls.clear()
         with Count():

@@ -132,7 +132,10 @@ def test_full_forward_without_cache_matches_eager_with_padding(kind, mask):
             out = fast(input_ids)
             expected = model(input_ids=input_ids, use_cache=False).logits  # the plain eager call
             assert out.shape == expected.shape == (batch_size, SEQ_LEN, VOCAB)
-            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)  # float32
+            # float32, a padded size against the real one: GEMMs may round differently per batch size, and
+            # the difference grows through the layers (3.6e-5 seen on logits with per-size rounding:
+            # tests/gemm_rounding.py)
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     stats = fast.stats()
     if mask == "4d":  # the second pass at least replays graphs, whatever the first call per size does
         assert stats["graph_runs"] >= len(BATCH_SIZES), stats

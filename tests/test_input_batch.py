@@ -359,17 +359,20 @@ class CopyEvent:
 
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
+        self.streams = []  # the stream of each record()
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
+        self.streams.append(stream)
         self.log.append(("copy from", self.name))
 
     def synchronize(self) -> None:
         self.log.append(("host waits for", self.name))
 
 
-def test_the_host_fills_the_next_step_while_the_last_copy_reads_its_arena():
+def test_the_host_fills_the_next_step_while_the_last_copy_reads_its_arena(monkeypatch):
     """Two host arenas in turn (issue 40, item 8): the host writes step N+1 while step N's copy may
     still read its arena, and waits for a copy only when it comes back to that arena (step N+2)."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     buffers = make_buffers()
     log = []
     buffers.copy_events = [CopyEvent("arena 0", log), CopyEvent("arena 1", log)]
@@ -381,6 +384,29 @@ def test_the_host_fills_the_next_step_while_the_last_copy_reads_its_arena():
         assert builder.build().input_ids.tolist() == [step + 1, step + 2]
     assert log == [("built", 0), ("copy from", "arena 0"), ("built", 1), ("copy from", "arena 1"),
                    ("host waits for", "arena 0"), ("built", 2), ("copy from", "arena 0")]
+
+
+def test_the_copy_events_record_on_the_stream_of_the_arenas_device(monkeypatch):
+    """Issue 48, item 6: the copy to the device arena runs on its device's current stream (the copy's
+    device guard), so its event records there, not on the current device's stream (another device's
+    when the arena sits on cuda:1)."""
+    buffers = make_buffers()
+    events = buffers.copy_events = [CopyEvent("arena 0", []), CopyEvent("arena 1", [])]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    builder = BatchBuilder(buffers)
+    builder.add_request("r", [1, 2], [0, 1], kv=slots(1, 2))
+    builder.build()
+    assert events[0].streams == [("stream of", buffers.device)]
+
+
+def test_the_copy_back_event_records_on_the_stream_of_the_arenas_device(monkeypatch):
+    """Issue 48, item 6 on the copy back the engine reads its tokens through (issue 47): the copy from the
+    device arena runs on its device's current stream, so the event ``read_back`` waits for records there."""
+    buffers = make_buffers(result_regions={"tokens": 4})
+    events = buffers.result_events = [CopyEvent("arena 0", []), CopyEvent("arena 1", [])]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    copied = buffers.copy_back("tokens", torch.tensor([7, 8, 9]))
+    assert events[0].streams == [("stream of", buffers.device)] and buffers.read_back(copied) == [7, 8, 9]
 
 
 def test_batch_views_follow_the_next_build():

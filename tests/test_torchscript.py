@@ -80,8 +80,8 @@ def test_a_scripted_function_inside_a_step_captures_and_replays():
     fast = graphrt.wrap(lambda x: scaled(model(x)), max_batch_size=8)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for _ in range(4):
+        for _ in range(4):  # 3 rows, replayed at the padded size 4: GEMMs may round differently per batch size
             x = torch.randn(3, COLS, generator=generator)
-            assert torch.equal(fast(x), scaled(model(x)))
+            torch.testing.assert_close(fast(x), scaled(model(x)), rtol=1e-5, atol=1e-5)
     stats = fast.stats()
     assert stats["graph_runs"] == 3 and stats["failed_keys"] == {}, stats

@@ -149,3 +149,25 @@ def test_up_front_wrap_capture_verifies_and_leaves_state_as_it_was():
     report = fast.capture(torch.ones(4, 2))
     assert not report.ok and all("VerifyError: state written by" in reason for reason in report.failed.values())
     assert torch.equal(model.seen, torch.zeros(4))  # recording, eager run and replay all undone
+
+
+def test_a_bfloat16_result_cast_to_float32_is_judged_by_bfloat16s_rounding():
+    """The first H200 session: the bench's bfloat16 model returns ``logits.float()``, and its piecewise keys
+    differed from eager by one bfloat16 ulp (2**-6 at logits of 2 to 4) where verification allowed
+    float32's 1e-5, so two healthy keys failed. A float32 tensor whose values are all bfloat16s is
+    judged by bfloat16's rounding; a float32 computation keeps float32's, and a wrong graph still fails."""
+    from graphrt.verify import computed_dtype, rounding_tolerance
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(16, 128, generator=generator) * 2).to(torch.bfloat16)
+    bumped = logits.clone()
+    bumped[0, 16] = (logits[0, 16].float() * (1 + 2 ** -7)).to(torch.bfloat16)  # about one bfloat16 ulp up
+    expected, replayed = logits.float(), bumped.float()
+    assert computed_dtype(expected) is torch.bfloat16 and 0 < float((replayed - expected).abs().max()) <= 2 ** -5
+    torch.testing.assert_close(replayed, expected, **rounding_tolerance(expected))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(replayed * 1.5, expected, **rounding_tolerance(expected))
+    float32 = torch.randn(16, 128, generator=generator)
+    assert computed_dtype(float32) is torch.float32
+    assert rounding_tolerance(float32)["atol"] < 1e-4
+    assert computed_dtype(torch.arange(8.0)) is torch.float32  # whole numbers say nothing of the dtype

@@ -48,12 +48,14 @@ def batch_model(batch: ForwardBatch) -> torch.Tensor:
     """Integer features of every token, read through its request's fields: exact, and wrong for a bad split."""
     batch.validate()
     assert batch.seq_lens_sum == int(batch.seq_lens.sum())
+    device = batch.input_ids.device  # the helpers' own index tensors live beside the batch (cpu or cuda)
     if batch.forward_mode.is_extend():
-        req = torch.repeat_interleave(torch.arange(batch.batch_size), batch.extend_seq_lens.long())
-        offset = torch.arange(batch.num_tokens) - batch.extend_start_loc.long()[req]
+        req = torch.repeat_interleave(torch.arange(batch.batch_size, device=device), batch.extend_seq_lens.long())
+        offset = torch.arange(batch.num_tokens, device=device) - batch.extend_start_loc.long()[req]
         assert torch.equal(batch.positions.long(), batch.extend_prefix_lens.long()[req] + offset)
     else:
-        req, offset = torch.arange(batch.batch_size), torch.zeros(batch.batch_size, dtype=torch.long)
+        req = torch.arange(batch.batch_size, device=device)
+        offset = torch.zeros(batch.batch_size, dtype=torch.long, device=device)
     columns = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices[req],
                batch.seq_lens[req], offset]
     return torch.stack([column.long() for column in columns], dim=1)

@@ -7,10 +7,10 @@ from typing import Optional, Union
 
 import torch
 
-from graphrt.backends.base import CapturedGraph, GraphBackend, PieceSink, SplitPoint
+from graphrt.backends.base import CapturedGraph, CollectiveError, GraphBackend, PieceSink, SplitPoint
 from graphrt.backends.compiled import refuse_compiled_cudagraphs
 from graphrt.backends.emulated import EmulatedBackend
-from graphrt.backends.session import another_capture_error, step_lock
+from graphrt.backends.session import another_capture_error, no_recording, step_lock
 from graphrt.backends.state_journal import StateJournal
 
 BACKEND_NAMES = ("auto", "cuda", "emulated", "eager")
@@ -58,7 +58,7 @@ def make_backend(name: str, device: Optional[torch.device] = None) -> Optional[G
 
 
 __all__ = [
-    "CapturedGraph", "GraphBackend", "PieceSink", "SplitPoint", "StateJournal", "EmulatedBackend", "BACKEND_NAMES", "DISABLE_ENV",
+    "CapturedGraph", "CollectiveError", "GraphBackend", "PieceSink", "SplitPoint", "StateJournal", "EmulatedBackend", "BACKEND_NAMES", "DISABLE_ENV",
     "graphs_disabled_by_env", "resolve_backend_name", "resolve_device", "make_backend", "refuse_compiled_cudagraphs",
-    "another_capture_error", "step_lock",
+    "another_capture_error", "no_recording", "step_lock",
 ]

@@ -13,6 +13,11 @@ class StepRefusal(Exception):
     the key that found it fails with this reason, and its front captures no other key of that step."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective a replay ran failed on the host (gloo's wait inside an emulated graph): a peer died, or
+    did not reach it within its group's timeout. Never the key's fault; in lockstep it is a lost peer."""
+
+
 class CapturedGraph(Protocol):
     """A captured forward: ``replay()`` re-runs it reading the static inputs and
     writing into ``outputs`` (the same tensors every replay)."""

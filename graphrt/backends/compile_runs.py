@@ -6,10 +6,16 @@ step once more for each key, outside every mode, after its warm-ups and before i
 key's static inputs (its writes undone by the capture's journal). Within Dynamo's limits, whatever
 the number of capture sizes:
 
-- the dims of the static inputs that hold the key's rows are marked dynamic
-  (``torch._dynamo.maybe_mark_dynamic``), so one compiled graph serves every capture size, as vLLM
-  compiles one graph, dynamic in the token count, for all its CUDA-graph sizes (Dynamo specializes
-  size 1 on its own; a model that branches on the batch size gets a graph per branch);
+- the run first tries the code compiled before, unmarked and compiling nothing
+  (``torch.compiler.set_stance("fail_on_recompile")``): a graph compiled dynamic (``dynamic=True``, a
+  dimension the user marked, a graph a previous key's run compiled) serves every later size as it is.
+  Marking a dim such a graph was compiled without would be a new marking, which Dynamo's guards
+  treat as a recompile (issue 48: a ``dynamic=True`` model compiled once per capture size);
+- only when that code does not serve (nothing compiled yet, or its guards fail) are the dims of the
+  static inputs that hold the key's rows marked dynamic (``torch._dynamo.maybe_mark_dynamic``) and the
+  step run normally, so one compiled graph serves every capture size, as vLLM compiles one graph,
+  dynamic in the token count, for all its CUDA-graph sizes (Dynamo specializes size 1 on its own; a
+  model that branches on the batch size gets a graph per branch);
 - while a run compiles, Dynamo's recompile limits are ``HEADROOM`` higher, so no capture size's
   compile is lost to them (a code object that reaches its limit runs eagerly for good, the user's
   later calls of it at new shapes too); each graph a run compiled raises them for good by one, so
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +42,8 @@ from graphrt.backends.torchscript import nested_torchscript
 logger = logging.getLogger(__name__)
 
 HEADROOM = 8  # recompiles one compile run may add to a code object: each call site of a compiled callable may add one
+SKIPPED = ("Dynamo neither compiled a graph nor ran one it had (it skips the step's compiled code: "
+           "torch.compiler.disable, or a skip decided before)")
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,16 @@ def _guard_results(results: List[bool]) -> Iterator[None]:
         set_guard_complete_hook(previous)
 
 
-def compile_run(step: Callable[[], Any], tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> CompileOutcome:
-    """Run ``step`` once so that its compiled code compiles at these shapes (no dispatch mode may be
-    active), the batch dims of ``tensors`` marked dynamic and Dynamo's limits raised for the run."""
+def compile_run(step: Callable[[], Any], tensors: Sequence[torch.Tensor], rows: Sequence[int],
+                put_back: Callable[[], None] = lambda: None) -> CompileOutcome:
+    """Run ``step`` so that its compiled code compiles at these shapes (no dispatch mode may be active):
+    first on the code compiled before, compiling nothing; if a frame would compile there, its writes put
+    back (``put_back``), once more with the batch dims of ``tensors`` marked dynamic and Dynamo's limits
+    raised for the run."""
+    attempt = _without_compiling(step)
+    if attempt is not None:
+        return attempt
+    put_back()
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -120,6 +135,22 @@ def compile_run(step: Callable[[], Any], tensors: Sequence[torch.Tensor], rows: 
                                                "(a recompile limit reached before, or code it cannot compile: "
                                                "TORCH_LOGS=recompiles,graph_breaks says which)")
     if not compiled and True not in lookups:
-        return CompileOutcome(False, 0, "Dynamo neither compiled a graph nor ran one it had (it skips the step's "
-                                        "compiled code: torch.compiler.disable, or a skip decided before)")
+        return CompileOutcome(False, 0, SKIPPED)
     return CompileOutcome(True, compiled)
+
+
+def _without_compiling(step: Callable[[], Any]) -> Optional[CompileOutcome]:
+    """``step`` run on the graphs Dynamo compiled before, its inputs unmarked, under the
+    ``fail_on_recompile`` stance: None when a frame would compile there (the stance raises before it
+    compiles), else the outcome (every frame Dynamo looked at hit a graph, or it looked at none)."""
+    lookups: List[bool] = []
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"), _guard_results(lookups):
+            step()
+    except RuntimeError as error:
+        if "fail_on_recompile" not in str(error):
+            raise
+        return None
+    if True in lookups:
+        return CompileOutcome(True, 0)
+    return CompileOutcome(False, 0, SKIPPED)

@@ -5,10 +5,14 @@ so smaller graphs reuse the blocks the largest reserved (``CudaPool``, graphrt/b
 has the allocator's rules). Around every capture, what a real GPU needs and no CPU run shows
 (issues 33 and 40; docs/RELIABILITY.md has a row each):
 
-- one capture session at a time in the process (``CAPTURE_LOCK``): up to torch 2.11 the default
-  generator's capture flag is process-wide, so a second capture would break the first one's random
-  numbers, and a session's device-wide ``synchronize()``/``empty_cache()`` would break a capture under
-  way (graphrt/backends/session.py; on such a torch graphrt's replays and eager steps take the lock too);
+- one recording at a time in the process (``recording()``: ``capture_begin`` to ``capture_end``, with the
+  synchronize and cache emptying before it): up to torch 2.11 the default generator's capture flag is
+  process-wide, so a second capture would break the first one's random numbers; a session's
+  device-wide ``synchronize()`` would break a capture under way, and its ``empty_cache()`` would free
+  nothing of the default pools while one is (from torch 2.8 silently, pytorch#158152; up to 2.7 an assertion). On such a torch
+  graphrt's steps, and a session's warm-ups, compile runs and verification, share the lock, so they
+  wait for another thread's recording only, never for its warm-ups or compile runs
+  (graphrt/backends/session.py);
 - the collector run and the cache emptied when a session begins and again before each capture, as
   ``torch.cuda.graph`` does: during a capture the allocator cannot free other pools' cached blocks, so
   the warm-ups' cached activations would stay reserved while the capture allocates them again;
@@ -23,7 +27,7 @@ has the allocator's rules). Around every capture, what a real GPU needs and no C
   torch 2.11, whose ``reset()`` gives back only an ended capture's pool reference, graphrt gives back
   the reference the failed ``capture_begin`` took (``cuda_pool.RELEASE_FAILED_CAPTURE_POOL``);
 - piecewise: each piece replayed once right after its capture, so the splitting op after it reads
-  real values (a capture computes nothing) (``CudaPieces``).
+  real values (a capture computes nothing) (``CudaPieces``, graphrt/backends/cuda_pieces.py).
 """
 
 from __future__ import annotations
@@ -32,17 +36,17 @@ import gc
 import logging
 import threading
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Set
 
 import torch
 from torch.utils._pytree import tree_map
 
-from graphrt.backends.base import CapturedGraph, SplitPoint
 from graphrt.backends import cuda_pool
+from graphrt.backends.cuda_pieces import CudaPieces
 from graphrt.backends.cuda_pool import (
     CAPTURE_ERROR_MODE, CudaPool, clear_cublas_workspaces, empty_capture, private_binding,
 )
-from graphrt.backends.session import CAPTURE_LOCK, gc_frozen
+from graphrt.backends.session import RECORDING_LOCK, recording, no_recording
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +81,35 @@ def non_owning_view(value: torch.Tensor) -> torch.Tensor:
             view, value.storage_offset(), value.size(), value.stride())
 
 
+_capture_path_threads: Set[int] = set()  # threads whose warm-ups see a capture under way
+_capture_path_lock = threading.Lock()
+_real_is_capturing: Optional[Callable[[], bool]] = None  # torch's, while the answer is patched
+
+
 @contextmanager
 def warmup_capture_path() -> Iterator[None]:
     """``torch.cuda.is_current_stream_capturing()`` answers True on this thread for the block (other
-    threads get the real answer): a warm-up takes the path its capture will take. Call under
-    ``CAPTURE_LOCK`` (one such block at a time in the process)."""
-    real = torch.cuda.is_current_stream_capturing
+    threads get the real answer; several threads' blocks may overlap: torch's function is back when the
+    last ends)."""
+    global _real_is_capturing
     thread = threading.get_ident()
+    with _capture_path_lock:
+        if not _capture_path_threads:
+            real = _real_is_capturing = torch.cuda.is_current_stream_capturing
 
-    def capturing() -> bool:
-        return True if threading.get_ident() == thread else real()
+            def capturing() -> bool:
+                return True if threading.get_ident() in _capture_path_threads else real()
 
-    torch.cuda.is_current_stream_capturing = capturing
+            torch.cuda.is_current_stream_capturing = capturing
+        _capture_path_threads.add(thread)
     try:
         yield
     finally:
-        torch.cuda.is_current_stream_capturing = real
+        with _capture_path_lock:
+            _capture_path_threads.discard(thread)
+            if not _capture_path_threads:
+                torch.cuda.is_current_stream_capturing = _real_is_capturing
+                _real_is_capturing = None
 
 
 def empty_cache_before_capture() -> None:
@@ -138,15 +155,18 @@ class CudaGraphBackend:
 
     @contextmanager
     def _session(self) -> Iterator[None]:
-        """One capture session in the process at a time; the collector runs, then the memory no graph
-        or output holds is freed (a capture cannot free it); the collector is off while it captures."""
-        with CAPTURE_LOCK:
-            torch.cuda.synchronize(self.device)
-            with gc_frozen():
+        """The collector runs, then the memory no graph or output holds is freed (a capture cannot free
+        it), out of any other thread's recording; the session's eager work shares the recording lock
+        (``no_recording``), each recording holds it alone."""
+        gc.collect()
+        with no_recording():
+            with RECORDING_LOCK:
+                torch.cuda.synchronize(self.device)
                 self.pool.release_unviewed()
                 torch.cuda.empty_cache()
-                yield
-            torch.cuda.synchronize(self.device)
+            yield
+            with RECORDING_LOCK:
+                torch.cuda.synchronize(self.device)
 
     def capture_session(self) -> AbstractContextManager:
         return self._session()
@@ -181,23 +201,31 @@ class CudaGraphBackend:
         return self._reserved()
 
     def capture(self, fn: Callable[[], Any], generators: Sequence[torch.Generator] = ()) -> CudaGraph:
-        reserved_before = self._prepare_capture()
-        graph = self.new_graph(generators)
-        with self._on_capture_stream():
-            self.begin_capture(graph, generators)
-            try:
-                outputs = fn()
-            except BaseException:
-                self.abandon(graph, generators)
-                raise
-            self.end_capture(graph, generators)
-        outputs = tree_map(non_owning, outputs)
-        self.pool.viewed(outputs)
-        torch.cuda.synchronize(self.device)
+        with recording():
+            reserved_before = self._prepare_capture()
+            graph = self.new_graph(generators)
+            with self._on_capture_stream():
+                self.begin_capture(graph, generators)
+                try:
+                    outputs = fn()
+                except BaseException:
+                    self.abandon(graph, generators)
+                    raise
+                self.end_capture(graph, generators)
+            outputs = tree_map(non_owning, outputs)
+            self.pool.viewed(outputs)
+            torch.cuda.synchronize(self.device)
         return CudaGraph(graph, outputs, self._grown(reserved_before))
 
-    def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> "CudaPieces":
+    def piece_sink(self, generators: Sequence[torch.Generator] = ()) -> CudaPieces:
         return CudaPieces(self, generators)
+
+    def weak(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A non-owning view of memory a capture allocated: the block goes back to the pool, which stays
+        reserved while the view lives."""
+        view = non_owning(tensor)
+        self.pool.viewed(view)
+        return view
 
     def new_graph(self, generators: Sequence[torch.Generator] = ()) -> "torch.cuda.CUDAGraph":
         """A CUDAGraph with the step's own CUDA generators registered (the default generator is the
@@ -259,15 +287,18 @@ class CudaGraphBackend:
            pool is freed once its graphs and views are gone. torch releases it in ``reset()`` from
            pytorch#190348 on, where a second release would drop a pool live graphs use (or abort on
            ``uc >= 0``): on a release after 2.11 that may lack it, a reference kept only keeps the
-           retired pool's memory reserved (docs/RELIABILITY.md). A ``capture_begin`` that raised
-           gives nothing back (whether it took the reference cannot be told)."""
+           retired pool's memory reserved (docs/RELIABILITY.md). A ``capture_begin`` that raised took
+           the reference if it routed the pool (``beginAllocateToPool`` takes it, then routes, then
+           ``cudaStreamBeginCapture`` may fail): a routing ended in step 2 says so (issue 48)."""
         clean = self._end_capture_cleanly(graph)
+        routed = False
         if not clean:
-            self._end_routing()
+            routed = self._end_routing()
             self.pool.abandon()
             self._end_generator_capture(generators)
         clear_cublas_workspaces()
-        unreleased = began and not capture_ended(graph)  # reset() gives back only an ended capture's reference
+        # reset() gives back only an ended capture's reference; a capture_begin that routed the pool took one
+        unreleased = (began or routed) and not capture_ended(graph)
         graph.reset()
         if unreleased:
             self._release_pool()
@@ -310,88 +341,18 @@ class CudaGraphBackend:
             logger.warning("could not give back a failed capture's graph pool %s (%s): its memory stays reserved",
                            self.pool.id, error)
 
-    def _end_routing(self) -> None:
+    def _end_routing(self) -> bool:
         """Stop the allocator routing this device's allocations to the pool, if it still does:
-        torch's ``_cuda_endAllocateToPool`` from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before."""
+        torch's ``_cuda_endAllocateToPool`` from 2.8, ``_cuda_endAllocateCurrentStreamToPool`` before.
+        True when it did (a routing was left on)."""
         end = private_binding("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
         if end is None:
             logger.warning("this torch has no binding to end a failed capture's pool routing: a later "
                            "torch.cuda.empty_cache() may fail")
-            return
+            return False
         try:
             end(torch.cuda.current_device(), self.pool.id)  # the capture stream's device (capture_begin's)
+            return True
         except RuntimeError as error:  # "not currently recording": capture_end ended it
             logger.debug("ending the pool routing after a failed capture: %s", error)
-
-
-class CudaPiece:
-    """One captured piece of a split step: replay() launches its graph."""
-
-    def __init__(self, graph: "torch.cuda.CUDAGraph") -> None:
-        self.graph = graph
-        self.outputs = None
-        self.pool_bytes = None
-        self.replay = graph.replay
-
-
-class CudaPieces:
-    """One CUDAGraph per piece, in the backend's shared pool, captured on its capture stream; the
-    op between two pieces runs between one ``capture_end`` and the next ``capture_begin``. Only
-    the piece whose capture is open (begun, not ended) is abandoned when the pass fails.
-
-    A capture computes nothing: what a piece made holds whatever the pool memory held. So each
-    piece replays once as soon as its capture ends, and the splitting op after it reads the values
-    eager would give it (an op indexing with them, as MoE routing does, would otherwise hit a
-    device-side assert). The replays' writes and draws, and the splitting ops', are undone with the
-    warm-ups' (``graphrt.capture.capture_graph`` restores after the recording)."""
-
-    def __init__(self, backend: CudaGraphBackend, generators: Sequence[torch.Generator] = ()) -> None:
-        self.backend = backend
-        self.generators = generators
-        self.graphs: List["torch.cuda.CUDAGraph"] = []  # pieces whose capture ended
-        self.open: Optional["torch.cuda.CUDAGraph"] = None  # the piece being captured
-        self.pool_bytes: Optional[int] = None
-
-    def _begin(self) -> None:
-        graph = self.backend.new_graph(self.generators)
-        self.backend.begin_capture(graph, self.generators)  # abandons it if it raises
-        self.open = graph
-
-    def _end(self) -> None:
-        graph, self.open = self.open, None
-        self.backend.end_capture(graph, self.generators)  # abandons it if it raises
-        self.graphs.append(graph)
-
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        backend = self.backend
-        reserved_before = backend._prepare_capture()
-        with backend.warmup_context():  # the capture stream
-            self._begin()
-            try:
-                yield
-            except BaseException:
-                if self.open is not None:
-                    backend.abandon(self.open, self.generators)
-                    self.open = None
-                raise
-            self._end()
-        torch.cuda.synchronize(backend.device)
-        self.pool_bytes = backend._grown(reserved_before)
-
-    def split(self, run: Callable[[], Any]) -> Any:
-        """End the piece, replay it (the op reads real values), run the op, begin the next piece."""
-        self._end()
-        self.graphs[-1].replay()
-        result = run()
-        self._begin()
-        return result
-
-    def pieces(self, splits: Sequence[SplitPoint], outputs: Sequence[Any]) -> List[CapturedGraph]:
-        return [CudaPiece(graph) for graph in self.graphs]
-
-    def weak(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A non-owning view: the block goes back to the pool, which stays reserved while the view lives."""
-        view = non_owning(tensor)
-        self.backend.pool.viewed(view)
-        return view
+            return False

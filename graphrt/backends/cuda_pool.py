@@ -182,5 +182,5 @@ class CudaPool:
             pool.anchor.reset()
         try:
             torch.cuda.empty_cache()
-        except RuntimeError as error:  # another process-wide capture cannot be under way (CAPTURE_LOCK)
+        except RuntimeError as error:  # an assertion only up to torch 2.7 during a capture, and RECORDING_LOCK keeps those out
             logger.debug("empty_cache after releasing retired graph pools raised: %s", error)

@@ -29,6 +29,7 @@ import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from graphrt.backends.base import CollectiveError
 from graphrt.backends.source_lines import SourceLine, model_source_line, torch_source_line
 from graphrt.backends.state_journal import op_base_name, storage_key
 
@@ -384,8 +385,12 @@ def _is_work(value: Any) -> bool:
 
 
 def wait_collectives(output: Any) -> None:
-    """Wait for the collectives an op started: eager ``dist.all_reduce`` waits before returning."""
+    """Wait for the collectives an op started: eager ``dist.all_reduce`` waits before returning. A wait
+    that fails (a peer gone, or past the group's timeout) raises ``CollectiveError``."""
     for leaf in tree_flatten(output)[0]:
         if _is_work(leaf):
-            leaf.wait()
+            try:
+                leaf.wait()
+            except RuntimeError as error:
+                raise CollectiveError(f"a collective of the replay failed: {error}") from error
 

@@ -12,10 +12,13 @@ call first checks whether what the probe read changed since (the config's values
 device: ``graphrt.hf.model_state``): then the model is probed again and, when the probe reads otherwise,
 the KV pools and runners are made anew (their keys captured again). ``generate`` serves
 prompts with continuous batching (``graphrt.hf.serve``) through the engine's runners
-(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys), one
+(``graphrt.hf.engine_runners``: piecewise prefill, decode graphs per width bucket, multi-step keys; prompt
+prefixes computed once, ``graphrt.hf.prefix_sharing``), one
 call at a time (a lock per engine), each step staged with one pinned copy and its tokens chosen on the
 device and read back once (``graphrt.hf.engine_step``), per request as ``generate()`` chooses them
 (``graphrt.hf.request_sampling``); on CUDA the next step is launched before this one's tokens are read.
+``online`` opens a session on the same loop: requests added, stepped, streamed and aborted while it runs
+(``graphrt.hf.online``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, fields
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -39,11 +42,14 @@ from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.engine_slots import SlotTable
 from graphrt.hf.engine_step import EngineCounters, EngineSteps, StepArena
 from graphrt.hf.kv_layout import LayeredKVPool, minimum_bytes_per_token_per_layer
-from graphrt.hf.logits_rules import GenerationRules
+from graphrt.hf.logits_rules import GenerationRules, config_sampling
+from graphrt.hf.online import OnlineEngine
 from graphrt.hf.paged_attention import ATTENTION_NAME, register_paged_attention, splitting_ops
+from graphrt.hf.prefix_sharing import EnginePrefixes
 from graphrt.hf.request_rope import REQUEST_ROPE_OP
 from graphrt.hf.request_sampling import RequestTokens, TokenChooser
-from graphrt.hf.serve import Request, ServeConfig, ServeCounts, assigned_work, release, serve
+from graphrt.hf.requests import Request
+from graphrt.hf.serve import ServeConfig, ServeCounts, assigned_work, release, serve
 from graphrt.hf.tensor_parallel import shard_model
 from graphrt.host.sampling import SamplingMetadata
 from graphrt.reference import CachePools, ReqToTokenPool
@@ -76,7 +82,8 @@ class HFEngine:
     ``engine_model``."""
 
     def __init__(self, model: Any, max_requests: int, max_context: int, max_step_tokens: int,
-                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0) -> None:
+                 kv_slots: Optional[int], backend: str, runner_options: Dict[str, Any], timeout_s: float = 600.0,
+                 prefix_sharing: bool = True) -> None:
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             if type(value) is not int or value < 1:
@@ -98,6 +105,7 @@ class HFEngine:
         self._slots = kv_slots if kv_slots is not None else max_requests * max_context + 1
         self._backend = backend
         self._runner_options = runner_options
+        self._prefix_sharing = prefix_sharing
         self._lock = threading.RLock()
         self._counters = EngineCounters()  # what changes per step: never an attribute of the engine (guards read it)
         self._serve_probed(self._probe())
@@ -111,13 +119,15 @@ class HFEngine:
 
     def _serve_probed(self, probed: ProbedModel) -> None:
         """Make what serving takes from ``probed``: KV pools of its layout (a previous build's dropped first),
-        its rotary embeddings attached to them, runners (their keys captured on first use)."""
+        its rotary embeddings attached to them, runners (captured by a call's ``prepare``, before its first
+        step)."""
         self.runners = self.pools = self.slots = self._arena = None  # type: ignore[assignment]  # old buffers go first
         self.probed, self.layout, self.device, self.vocab_size = probed, probed.layout, probed.device, probed.vocab_size
         self.logits_width = getattr(self.model.config.get_text_config(), "vocab_size", None) or self.vocab_size
         self.pools = CachePools(ReqToTokenPool(self.max_requests + 1, self.max_context, self.device),
                                 LayeredKVPool(probed.layout, self.device))
-        self.slots = SlotTable(self.pools.req_to_token, self._slots)
+        self.prefixes = EnginePrefixes(self._prefix_sharing, probed.layout, bool(probed.ropes.ropes))
+        self.slots = SlotTable(self.pools.req_to_token, self._slots, self.prefixes.cache)
         # CUDA graphs: copies marked with events, and by default the next step launched before a step's tokens are read
         self.asynchronous = self.device.type == "cuda" or self._backend == "cuda"
         self._arena = StepArena(self.pools, self.device, self.max_requests, self.max_step_tokens, self.asynchronous)
@@ -128,9 +138,9 @@ class HFEngine:
                                         REQUEST_ROPE_OP]
         self.runners = EngineRunners(self, self.pools, probed.layout, self._backend, self.device, self.max_requests,
                                      self.max_step_tokens, options, self._lock)
-        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s",
-                    type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
-                    probed.layout.describe(), probed.ropes.describe())
+        logger.info("engine: %s, %d KV slots, %.1f MiB of KV buffers; %s; length-dependent rotary embeddings: %s; "
+                    "prefix sharing %s", type(self.model).__name__, self._slots, probed.layout.pool_bytes() / 2**20,
+                    probed.layout.describe(), probed.ropes.describe(), self.prefixes.describe())
 
     def _follow_model(self, changes: List[str]) -> None:
         """After ``changes`` (what differs from what the probe read, ``ModelState.changes``): the model probed
@@ -138,6 +148,7 @@ class HFEngine:
         changes when the changed model cannot be served."""
         if not changes:
             return
+        self.slots.clear_prefixes()  # computed by the model as it was
         try:
             probed = self._probe()
         except ValueError as error:
@@ -168,10 +179,12 @@ class HFEngine:
         """Every prompt's generated token ids, served with continuous batching: at most ``max_requests``
         at once (the rest queue), request ``i`` arriving at step ``arrivals[i]`` (default: all at 0),
         prompts prefilled in chunks of the step budget. Greedy unless ``sampling`` (one row per prompt)
-        samples; request ``i`` draws from a generator seeded ``seed + i``. A request stops after
+        samples, or else the generation config samples (``do_sample``: its temperature, top-k, top-p and min-p,
+        as ``generate()`` reads them); request ``i`` draws from a generator seeded ``seed + i``. A request stops after
         ``max_new_tokens``, an EOS id (default: the model's ``generation_config``; None: never) or one of
         its ``stop_token_ids[i]``. The processors of ``generation_config`` (default: the model's; None:
-        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them.
+        none) that change greedy or seeded tokens apply per request, as ``generate()`` applies them; its
+        ``min_new_tokens`` and ``min_length`` hold back every stop id of the request, EOS and its own alike.
         ``steps_per_launch`` > 1 runs that many greedy decode steps per launch (multi-step keys).
         ``overlap`` (default: on where the graphs are CUDA graphs) launches each step before the host reads
         the last one's tokens; the tokens are the same either way (tensor parallelism and multi-step
@@ -188,19 +201,25 @@ class HFEngine:
             config_used = getattr(self.model, "generation_config", None) if generation_config == "model" \
                 else generation_config
             rules = GenerationRules.from_config(config_used, eos, max_new_tokens, self.vocab_size)
-            if steps_per_launch > 1 and rules.names:
+            config_row = None if sampling is not None else config_sampling(config_used)
+            names = (*rules.names, *(["do_sample"] if config_row is not None and config_row["temperatures"] else []))
+            if steps_per_launch > 1 and names:
                 raise ValueError(f"steps_per_launch: multi-step launches choose tokens by argmax inside the graph; "
-                                 f"the generation config's {', '.join(rules.names)} need steps_per_launch=1 "
+                                 f"the generation config's {', '.join(names)} need steps_per_launch=1 "
                                  f"(or generation_config=None)")
-            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, sampling, seed),
-                                frozenset(eos) | stops[index]) for index, prompt in enumerate(checked)]
+            rows = sampling if config_row is None else SamplingMetadata.from_params(  # the config samples: seeded
+                **{name: [value] * len(checked) for name, value in config_row.items()})  # as sampling= is
+            requests = [Request(index, arrived[index], self._request_tokens(prompt, index, rows, seed,
+                                                                            frozenset(eos) | stops[index]),
+                                eos=frozenset(eos)) for index, prompt in enumerate(checked)]
             config = ServeConfig(max_running=self.max_requests, max_step_tokens=self.max_step_tokens,
                                  max_new_tokens=max_new_tokens, max_context=self.max_context,
                                  steps_per_launch=steps_per_launch)
-            sampled = None if sampling is None else sampling.map(lambda tensor: tensor.tolist())
+            sampled = None if rows is None else rows.map(lambda tensor: tensor.tolist())
             named = ([(request.prompt, request.arrival, sorted(request.stops)) for request in requests], config,
                      graphs, seed, sampled, repr(config_used))
-            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device)
+            chooser = TokenChooser(rules, [request.tokens for request in requests], self.logits_width, self.device,
+                                   self.max_requests + 1, 1 + max(len(request.stops) for request in requests))
             return (requests, config, chooser), named
 
         if overlap is not None and not isinstance(overlap, bool):
@@ -208,12 +227,14 @@ class HFEngine:
         with self._lock:
             requests, config, chooser = self._agreed("generate", prepare)
             counts = ServeCounts()
-            with self._call(counts), torch.no_grad(), self.probed.ropes.serving(
+            with self._call(counts, requests), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                self.runners.prepare(graphs, steps_per_launch)  # every runner captured before the first step
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, steps_per_launch, chooser)
                 share = None if self.ranks is None else self.ranks.share_tokens
+                prefixes = self.prefixes.for_call(self.model, self.slots, counts, executor.write_prompt_ids)
                 return serve(self.slots, executor, requests, config, counts, share,
-                             self.asynchronous if overlap is None else overlap)
+                             self.asynchronous if overlap is None else overlap, prefixes)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> List[torch.Tensor]:
         """Each prompt's logits [length, vocab], as ``model(prompt).logits``, on the engine path: all but
@@ -233,6 +254,7 @@ class HFEngine:
             logits: List[List[torch.Tensor]] = [[] for _ in prompts]
             with self._call(ServeCounts()), torch.no_grad(), self.probed.ropes.serving(
                     lambda: {request.row: len(request.prompt) for request in requests if request.row}):
+                self.runners.prepare(graphs, 1)
                 executor = EngineSteps(self._arena, self.runners, self._counters, graphs, 1, None)
                 try:
                     for request in requests:
@@ -265,7 +287,10 @@ class HFEngine:
         their captured and failed keys (``runner:key``), and ``serve``: its step counts (decode steps, how
         many replayed, prefill tokens, how many in piecewise graphs), ``seconds``, ``runner_seconds`` (the
         time in the runners' calls; the rest is scheduling, batch building and sampling) and, of that,
-        ``decode_runner_seconds`` (decode steps and launches); ``ranks``: the tensor-parallel ranks (1 alone)."""
+        ``decode_runner_seconds`` (decode steps and launches), ``prefix_tokens_reused``; ``requests``: per request of
+        ``generate`` its ``queue_s``, ``ttft_s``, ``tpot_s`` (graphrt.hf.requests.RequestTimes), ``tokens`` and
+        ``finish_reason``; ``ranks``: the tensor-parallel ranks (1 alone); ``prefix_cache``: whether prefixes are
+        shared (or why not) and the cache's sizes."""
         with self._lock:
             if self._counters.stats is None:
                 raise RuntimeError("stats(): no generate() call yet")
@@ -281,6 +306,22 @@ class HFEngine:
             self._agreed("recapture", lambda: (None, ()))
             if self.runners is runners:  # not made anew for a changed model
                 runners.recapture()
+                self.slots.clear_prefixes()  # rebound weights: the cached prefixes were computed with the old ones
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prompt prefix (after changing the model in a way its parameters' identity, memory
+        and version counters do not show: writes through ``.data``, switching a PEFT adapter)."""
+        with self._lock:
+            self.slots.clear_prefixes()
+
+    def online(self, graphs: bool = True, overlap: Optional[bool] = None,
+               eos_token_id: Union[None, int, Sequence[int], str] = "model",
+               generation_config: Any = "model") -> OnlineEngine:
+        """An online session (graphrt.hf.online.OnlineEngine): requests added at any time, also from other threads
+        (``add_request(prompt, RequestParams)``), ``step()``, ``abort(id)``, ``stream(id)``; ``eos_token_id`` and
+        ``generation_config`` as ``generate`` reads them. While it is open, the engine serves it alone."""
+        _refuse_training(self.model)
+        return OnlineEngine(self, graphs, overlap, eos_token_id, generation_config)
 
     def kv_bytes(self) -> Dict[str, float]:
         """The KV pools' size: ``pool_bytes`` (every layer's buffers), ``per_token_per_layer`` (bytes a cached
@@ -297,6 +338,8 @@ class HFEngine:
         call one rank refuses is refused on every rank, before any step). What the probe read is checked first
         (``_follow_model``; in tensor parallel its changes are agreed on with the arguments, then every rank
         probes again together)."""
+        if self._counters.session is not None:
+            raise RuntimeError(f"{call}(): an online session holds the engine (engine.online()); close it first")
         changes = self.probed.state.changes()
         if self.ranks is None:
             self._follow_model(changes)
@@ -311,8 +354,9 @@ class HFEngine:
         return checked
 
     @contextmanager
-    def _call(self, counts: ServeCounts) -> Iterator[None]:
-        """Around one call: its statistics (``stats()``) kept whatever way the call ends."""
+    def _call(self, counts: ServeCounts, requests: Sequence[Request] = ()) -> Iterator[None]:
+        """Around one call: its statistics (``stats()``) kept whatever way the call ends, with ``requests``' times
+        and finish reasons."""
         before = self.runners.snapshot()
         counters = self._counters
         counters.runner_seconds = counters.decode_seconds = 0.0
@@ -323,17 +367,19 @@ class HFEngine:
             seconds = time.perf_counter() - start
             counters.stats = {**self.runners.call_stats(before),
                               "ranks": 1 if self.ranks is None else self.ranks.world_size,
+                              "prefix_cache": self.prefixes.stats(),
                               "serve": {**asdict(counts), "seconds": seconds, "runner_seconds": counters.runner_seconds,
-                                        "decode_runner_seconds": counters.decode_seconds}}
+                                        "decode_runner_seconds": counters.decode_seconds},
+                              "requests": [{**request.times.summary(len(request.output)), "tokens": len(request.output),
+                                            "finish_reason": request.finish_reason} for request in requests]}
 
     def _request_tokens(self, prompt: List[int], index: int, sampling: Optional[SamplingMetadata],
-                        seed: int) -> RequestTokens:
-        """What request ``index``'s tokens are chosen from: its sampling row, its generator."""
-        tokens = RequestTokens(prompt)
-        if sampling is not None:
-            tokens.sampling = sampling.slice(index, index + 1)
-            tokens.generator = torch.Generator(device=self.device).manual_seed(seed + index)
-        return tokens
+                        seed: int, stops: FrozenSet[int]) -> RequestTokens:
+        """What request ``index``'s tokens are chosen from: its sampling row, its generator, its stop ids."""
+        if sampling is None:
+            return RequestTokens(prompt, stops=stops)
+        return RequestTokens(prompt, sampling=sampling.slice(index, index + 1), stops=stops,
+                             generator=torch.Generator(device=self.device).manual_seed(seed + index))
 
     # ---- checks -----------------------------------------------------------------------------------
 
@@ -415,12 +461,14 @@ def _refuse_training(model: Any) -> None:
 
 def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_step_tokens: int = 64,
                  kv_slots: Optional[int] = None, backend: str = "auto", timeout_s: float = 600.0,
-                 **runner_options: Any) -> HFEngine:
+                 prefix_sharing: bool = True, **runner_options: Any) -> HFEngine:
     """The engine of a transformers causal LM: its modules and weights, its attention replaced by graphrt's
     paged attention over KV pools for ``max_requests`` requests of up to ``max_context`` tokens, and
     ``max_step_tokens`` tokens per step (the chunk budget of prefill): ``kv_slots`` slots for its
     full-attention layers (default: every request at full context), a ring of a window plus a step per
-    request for its sliding-window layers, none for KV-shared layers. ``runner_options`` (RunnerConfig
+    request for its sliding-window layers, none for KV-shared layers. ``prefix_sharing`` (default on) keeps
+    computed prompt prefixes in a radix tree and starts a request with the same prefix after them
+    (graphrt.hf.prefix_sharing; off by name for models with a sliding window ring). ``runner_options`` (RunnerConfig
     fields: ``capture_sizes``, ``piecewise_sizes``, ``warmup_iters``, ...) replace the engine's choices for
     its runners. With ``process_group`` (tensor parallel; every rank of the group calls it on the same
     unsharded model, then makes the same calls) the model is sharded in place by its tensor-parallel plan
@@ -432,7 +480,8 @@ def engine_model(model: Any, max_requests: int = 8, max_context: int = 256, max_
     unknown = set(runner_options) - {field.name for field in fields(RunnerConfig)}
     if unknown:
         raise TypeError(f"runner_options: expected RunnerConfig fields, got {sorted(unknown)}")
-    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options, timeout_s)
+    return HFEngine(model, max_requests, max_context, max_step_tokens, kv_slots, backend, runner_options, timeout_s,
+                    prefix_sharing)
 
 
 __all__ = ["HFEngine", "attention_implementation", "engine_model", "refusal"]

@@ -6,7 +6,10 @@ step, so a call one rank refuses is refused on every rank and ranks called diffe
 and the same tokens (``share_tokens``: rank 0's chosen tokens broadcast after each step, so a request's
 next input, and whether it stops, never differ between ranks). Both run on the gloo group the runners'
 lockstep agreements use (``cpu_group``): host tensors and objects, never a device wait. A peer that died
-or does not come within that group's timeout makes them raise ``PeerLostError``.
+or does not come within that group's timeout makes them raise ``PeerLostError``. A peer lost inside a
+step's replay is the runners' (``Lockstep.replayed``: on CUDA graphrt's watchdog waits for the replay up to
+the model group's timeout), so the host read of a step's tokens before ``share_tokens`` never waits on a
+collective that cannot complete.
 """
 
 from __future__ import annotations

@@ -8,10 +8,17 @@
   the paged attention op, padded token counts up to the step budget): the runner every call uses.
 * ``eager``: every step of ``graphs=False`` calls.
 
-Each runner is built and captured once, on first use, under the engine's lock, with an attention
-backend of its own over the shared KV pools: a runner captured later never reallocates state an
-earlier runner's graphs read. A key that a replay fault disabled (the replay raised, the same step
-ran eagerly) is captured again once before the next step; a second fault keeps it disabled.
+Each runner is built and captured once, under the engine's lock, with an attention backend of its own
+over the shared KV pools: a runner captured later never reallocates state an earlier runner's graphs
+read. Every runner a call may use is built before its first step (``prepare``: the prefill runner, then
+the decode runners of every width, widest first), so no capture (and its collection, device sync and
+cache emptying) lands between the steps of a request when it crosses a width. The graph runners share
+one graph memory pool (``RunnerConfig.share_graphs_with``: the first graph runner's; on CUDA one capture
+stream, so one cuBLAS workspace): the engine holds about one largest key's memory, not a pool per
+runner; each step's logits are used (its tokens chosen on the device, in stream order) before the
+next step replays. A key that a replay fault disabled
+(the replay raised, the same step ran eagerly) is captured again once before the next step; a second
+fault keeps it disabled.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from graphrt import CaptureReport
 from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.config import RunnerConfig
 from graphrt.entry import GraphKey, GraphStatus
@@ -69,7 +77,8 @@ class RunnerKey:
 
 
 class EngineRunners:
-    """The engine's runners by ``RunnerKey``, built on first use; the call statistics of those a call used."""
+    """The engine's runners by ``RunnerKey``, built before a call's first step (``prepare``); the call
+    statistics of those a call used."""
 
     def __init__(self, model: Callable[..., Any], pools: CachePools, layout: KVLayout, graph_backend: str,
                  device: Any, max_requests: int, max_step_tokens: int, options: Dict[str, Any],
@@ -87,6 +96,7 @@ class EngineRunners:
         self.widths_used: Set[int] = set()  # the widths its decode steps read
         self._lock = lock
         self._runners: Dict[RunnerKey, GraphRunner] = {}
+        self._captures: Dict[RunnerKey, CaptureReport] = {}  # each graph runner's capture when it was built
         self._retried: Dict[RunnerKey, Set[GraphKey]] = {}
         self._faulted: Optional[Tuple[RunnerKey, GraphRunner]] = None
 
@@ -113,15 +123,35 @@ class EngineRunners:
             raise ValueError(f"seq_lens: a request of {tokens} tokens exceeds max_context={self.widths[-1]}")
         return self.widths[index]
 
+    def prepare(self, graphs: bool, steps_per_launch: int) -> None:
+        """Before a call's first step: every runner it may use built and captured, so none is captured
+        between its steps. With graphs: the prefill runner (the narrowest width's single-step runner),
+        then the decode runners of ``steps_per_launch`` steps at every width, widest first (narrower graphs
+        reuse the pool blocks of wider ones). A call of another ``steps_per_launch`` builds its own here."""
+        if not graphs:
+            keys = [RunnerKey()]
+        else:
+            narrowest = self.widths[0]
+            keys = [RunnerKey(1, narrowest, True)] + [
+                RunnerKey(steps_per_launch, width, steps_per_launch == 1 and width == narrowest)
+                for width in reversed(self.widths)]
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                self._runner(key)
+
     def get(self, key: RunnerKey) -> GraphRunner:
-        """The runner of ``key``, built and captured on first use (once: under the engine's lock)."""
+        """The runner of ``key`` (built and captured if ``prepare`` did not; once: under the engine's lock)."""
         with self._lock:
             if self._faulted is not None:
                 self._retry(*self._faulted)
-            runner = self._runners.get(key)
-            if runner is None:
-                runner = self._runners[key] = self._build(key)
+            runner = self._runner(key)
             self.used.add(key)
+        return runner
+
+    def _runner(self, key: RunnerKey) -> GraphRunner:
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._runners[key] = self._build(key)
         return runner
 
     def after_eager_step(self, key: RunnerKey, runner: GraphRunner) -> None:
@@ -163,10 +193,27 @@ class EngineRunners:
         if key.prefill and "extend_capture_sizes" not in self.options:
             # No extend grid is captured (the backend graphs decode only): its one size bounds the static token slots.
             options["extend_capture_sizes"] = ([max(options["piecewise_sizes"])], [1])
+        if key.width:  # one graph pool (and cuBLAS workspace) for the engine: the first graph runner's
+            options["share_graphs_with"] = next((runner for built, runner in self._runners.items() if built.width),
+                                                None)
         runner = GraphRunner(self.model, RunnerConfig(**options))
         report = runner.capture()
+        if key.width:
+            self._captures[key] = report
         logger.info("engine runner %s: %s", key.name, report)
         return runner
+
+    def capture_summary(self) -> Dict[str, Any]:
+        """What capturing the graph runners took: ``seconds``, ``pool_bytes`` (the pool's growth over every
+        capture, each key's counted once), ``graphs`` (keys captured), ``runners`` and ``graph_pools`` (the
+        distinct backends, so pools, the graph runners use: 1)."""
+        with self._lock:
+            reports = list(self._captures.values())
+            backends = {id(runner.backend) for key, runner in self._runners.items() if key.width}
+            return {"seconds": sum(report.seconds for report in reports),
+                    "pool_bytes": sum(report.pool_bytes for report in reports),
+                    "graphs": sum(len(report.ok) for report in reports), "runners": len(reports),
+                    "graph_pools": len(backends)}
 
     def all(self) -> Dict[str, GraphRunner]:
         """Every runner built so far, by name."""
@@ -213,7 +260,7 @@ class EngineRunners:
                 "padding_waste": merged["padded_tokens"] / total if total else 0.0,
                 "backend": backends[0] if backends else self.graph_backend,
                 "runners": [key.name for key in sorted(self.used, key=lambda used: used.name)],
-                "decode_widths": sorted(self.widths_used)}
+                "decode_widths": sorted(self.widths_used), "capture": self.capture_summary()}
 
 
 __all__ = ["EngineRunners", "MIN_WIDTH", "RunnerKey", "decode_widths"]

@@ -21,7 +21,7 @@ import itertools
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,24 +30,29 @@ from graphrt.batch import ForwardBatch, ForwardMode
 from graphrt.hf.engine_runners import EngineRunners
 from graphrt.hf.logits_rules import RowIds
 from graphrt.hf.request_sampling import FLOAT_PARAMETERS, ChosenRows, TokenChooser
+from graphrt.hf.requests import MAX_TOP_LOGPROBS, Request
 from graphrt.hf.serve import StepWork
 from graphrt.host.arena import CopyBack, InputBuffers
 from graphrt.host.input_batch import write_requests
 from graphrt.reference import CachePools
 
 PARAMETER_COLUMNS = 8  # float32 columns per chosen row in the arena (FLOAT_PARAMETERS, padded to whole int64s)
+# int64 values per chosen row copied back at most: its token, its log-probability, and the top ones (id, value)
+RESULT_COLUMNS = 2 + 2 * MAX_TOP_LOGPROBS
 
 
 @dataclass
 class EngineCounters:
     """The engine's counts during a call (a plain object of their own: the engine itself is read by guards,
     and an assignment to it would move the state epoch): model calls (eager steps run the model's Python),
-    seconds in the runners, of those in decode steps, and the last call's statistics."""
+    seconds in the runners, of those in decode steps, the last call's statistics, and the online session that
+    holds the engine (graphrt.hf.online)."""
 
     model_calls: int = 0
     runner_seconds: float = 0.0
     decode_seconds: float = 0.0
     stats: Optional[dict] = None
+    session: Optional[Any] = None
 
 
 class StepArena:
@@ -64,22 +69,25 @@ class StepArena:
         self.step_tokens = max(max_step_tokens, max_requests)  # a step's tokens: its budget, or a decode per request
         self.events = events
         self.buffers: Optional[InputBuffers] = None
-        self.steps = 0
+        self.steps = self.hold_width = 0
         self.history: Optional[torch.Tensor] = None
         self.ids = torch.zeros(self.step_tokens, dtype=torch.int64, device=device)
         self.views: Dict[Any, Any] = {}  # views of the arenas per step size (graphrt.hf.engine_step.StepViews)
 
-    def ready(self, steps: int, history: bool) -> None:
-        """Sized for launches of ``steps`` decode steps (per call; reallocated only to grow), the history made."""
-        if self.buffers is None or steps > self.steps:
+    def ready(self, steps: int, history: bool, hold_width: int = 1) -> None:
+        """Sized for launches of ``steps`` decode steps and chosen rows holding back ``hold_width - 1`` stop ids
+        (per call; reallocated only to grow), the history made."""
+        if self.buffers is None or steps > self.steps or hold_width > self.hold_width:
+            steps, hold_width = max(steps, self.steps), max(hold_width, self.hold_width)
             rows, tokens = self.max_requests, max(self.step_tokens, self.max_requests * steps)
             self.buffers = InputBuffers.allocate(
                 rows, tokens, device=self.device, events=self.events,
                 extra_regions={"table_index": tokens, "id_source": self.step_tokens, "chosen_rows": rows,
                                "chosen_table_rows": rows, "chosen_lengths": rows, "chosen_prompt_lengths": rows,
-                               "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2},
-                result_regions={"tokens": rows * steps})
-            self.steps = steps
+                               "chosen_top_ks": rows, "chosen_params": rows * PARAMETER_COLUMNS // 2,
+                               "chosen_holds": rows * hold_width},
+                result_regions={"tokens": rows * max(steps, RESULT_COLUMNS)})
+            self.steps, self.hold_width = steps, hold_width
             self.views.clear()
         if history and self.history is None:
             self.history = torch.zeros_like(self.pools.req_to_token.req_to_token)
@@ -104,9 +112,12 @@ class StepViews:
 
 @dataclass
 class Launched:
-    """A launched step: its chosen tokens on their way to the host (None: it chose none)."""
+    """A launched step: its chosen tokens on their way to the host (None: it chose none), with ``top`` >= 0
+    their log-probabilities and ``top`` most likely tokens' after them (``read`` decodes them: ``logprobs``)."""
 
     copied: Optional[CopyBack]
+    top: int = -1
+    logprobs: Optional[List[Tuple[float, List[Tuple[int, float]]]]] = None
 
 
 class EngineSteps:
@@ -114,7 +125,8 @@ class EngineSteps:
 
     def __init__(self, arena: StepArena, runners: EngineRunners, counters: EngineCounters, graphs: bool,
                  steps_per_launch: int, chooser: Optional[TokenChooser]) -> None:
-        arena.ready(steps_per_launch, chooser is not None and chooser.needs_ids)
+        arena.ready(steps_per_launch, chooser is not None and chooser.needs_ids,
+                    1 if chooser is None else chooser.hold_width)
         self.arena = arena
         self.buffers = arena.buffers
         self.runners = runners
@@ -131,6 +143,17 @@ class EngineSteps:
         self.params = buffers.device_views["chosen_params"].view(torch.float32).view(-1, PARAMETER_COLUMNS)
         self._runners: Dict[Any, Tuple[Any, Any]] = {}  # the call's runners by kind of step (decode width, prefill)
 
+    def admit(self, request: Request) -> None:
+        """``request`` took its request row: what its tokens are chosen from written there (the token history
+        made first when its choice reads ids and no earlier request's did)."""
+        chooser = self.chooser
+        if chooser is None:
+            return
+        chooser.admit(request.row, request.tokens)
+        if chooser.needs_ids and self.history is None:
+            self.arena.ready(self.steps_per_launch, True)
+            self.history = self.arena.history.view(-1)
+
     def launch(self, work: StepWork) -> Tuple[Launched, int]:
         """Run ``work`` and start copying its chosen tokens back; how many steps ran the model eagerly."""
         output, eager = self.run(work)
@@ -145,11 +168,39 @@ class EngineSteps:
             torch.argmax(rows, dim=-1, out=tokens)
         else:
             self.chooser.choose(rows, tokens, self._chosen_rows(work, chosen))
-        return Launched(buffers.copy_back("tokens", tokens)), eager
+        top = self.chooser.top_logprobs
+        if top < 0:
+            return Launched(buffers.copy_back("tokens", tokens)), eager
+        return Launched(buffers.copy_back("tokens", _with_logprobs(rows, tokens, top)), top), eager
+
+    def write_prompt_ids(self, row: int, start: int, ids: Sequence[int]) -> None:
+        """Positions ``start..`` of request row ``row``'s token history hold ``ids`` (a shared prompt prefix, which
+        no step of this request runs), where the call's rules or penalties read ids."""
+        if self.history is not None:
+            first = row * self.arena.history.shape[1] + start
+            values = torch.tensor(list(ids), dtype=self.history.dtype, pin_memory=self.history.is_cuda)
+            self.history[first:first + len(values)].copy_(values, non_blocking=True)
 
     def read(self, launched: Launched) -> List[int]:
-        """The tokens of a launched step, on the host: the step's one wait."""
-        return [] if launched.copied is None else self.buffers.read_back(launched.copied)
+        """The tokens of a launched step, on the host: the step's one wait (their log-probabilities, when
+        computed, come in the same copy: kept in ``launched.logprobs``)."""
+        if launched.copied is None:
+            return []
+        values = self.buffers.read_back(launched.copied)
+        if launched.top < 0:
+            return values
+        top, chosen = launched.top, len(values) // (2 + 2 * launched.top)
+        logprobs = np.array(values[chosen:], dtype=np.int64).view(np.float64)
+        ids = values[2 * chosen: (2 + top) * chosen]
+        tops = logprobs[(1 + top) * chosen:]
+        launched.logprobs = [(float(logprobs[row]), [(ids[row * top + k], float(tops[row * top + k]))
+                                                     for k in range(top)]) for row in range(chosen)]
+        return values[:chosen]
+
+    @staticmethod
+    def read_logprobs(launched: Launched) -> Optional[List[Tuple[float, List[Tuple[int, float]]]]]:
+        """The log-probabilities ``read`` decoded (None: the step computed none)."""
+        return launched.logprobs
 
     def run(self, work: StepWork) -> Tuple[torch.Tensor, int]:
         """Stage ``work`` and run it: the runner's output (logits of its tokens, or a launch's tokens) and
@@ -277,11 +328,13 @@ class EngineSteps:
         chooser = self.chooser
         if chooser.greedy:
             return
-        indices = [work.requests[position].index for position in sampled]
+        indices = [rows[position] for position in sampled]
         if chooser.needs_ids:
-            host["chosen_table_rows"][:chosen] = [rows[position] for position in sampled]
+            host["chosen_table_rows"][:chosen] = indices
             host["chosen_lengths"][:chosen] = [seq_lens[position] for position in sampled]
             host["chosen_prompt_lengths"][:chosen] = chooser.prompt_lengths[indices]
+            if chooser.holding:
+                host["chosen_holds"][:chosen * chooser.hold_width] = chooser.holds[indices].reshape(-1)
         if chooser.sampled:
             params = host["chosen_params"].view(np.float32).reshape(-1, PARAMETER_COLUMNS)
             params[:chosen, :len(FLOAT_PARAMETERS)] = chooser.params[indices]
@@ -290,16 +343,30 @@ class EngineSteps:
     def _chosen_rows(self, work: StepWork, chosen: int) -> ChosenRows:
         """The device views of what ``_write_chosen`` staged."""
         chooser, device = self.chooser, self.buffers.device_views
-        requests = [work.requests[position].index for position in work.sampled]
+        requests = [work.requests[position].row for position in work.sampled]
         ids = None
         if chooser.needs_ids:
             width = max(work.starts[position] + work.counts[position] for position in work.sampled)
             table_rows = self.arena.history.index_select(0, device["chosen_table_rows"][:chosen])[:, :width]
-            ids = RowIds(table_rows, device["chosen_lengths"][:chosen], device["chosen_prompt_lengths"][:chosen])
+            min_new = stops = None
+            if chooser.holding:
+                holds = device["chosen_holds"][:chosen * chooser.hold_width].view(chosen, chooser.hold_width)
+                min_new, stops = holds[:, 0], holds[:, 1:]
+            ids = RowIds(table_rows, device["chosen_lengths"][:chosen], device["chosen_prompt_lengths"][:chosen],
+                         min_new, stops)
         if not chooser.sampled:
             return ChosenRows(ids, None, None, requests)
         return ChosenRows(ids, self.params[:chosen, :len(FLOAT_PARAMETERS)], device["chosen_top_ks"][:chosen],
                           requests)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """``tokens`` [rows], then their log-probabilities under ``logits`` [rows, vocab], the ``top`` most likely
+    ids and their log-probabilities (row-major), as one int64 tensor (float64 bits) for one copy back."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).double().view(torch.int64)
+    values, ids = logprobs.topk(top, dim=-1)
+    return torch.cat((tokens, chosen, ids.reshape(-1), values.double().reshape(-1).view(torch.int64)))
 
 
 __all__ = ["EngineCounters", "EngineSteps", "Launched", "StepArena"]

@@ -3,7 +3,10 @@
 ``GenerationRules`` are the processors of a generation config that change greedy or seeded tokens, in
 ``generate()``'s order: repetition penalty (over prompt and output), no-repeat n-grams, bad words,
 minimum length and minimum new tokens, forced BOS and EOS, invalid-value removal, suppressed tokens
-and tokens suppressed at the first step. transformers' processor classes take one batch of ids of
+and tokens suppressed at the first step; minimum length and minimum new tokens hold back every stop id
+of a row (its request's own beside the EOS ids), as ``generate()`` given them all as ``eos_token_id``
+does. ``config_sampling`` reads the config's sampling (``do_sample``: temperature, top-k, top-p, min-p)
+into one request's sampling parameters. transformers' processor classes take one batch of ids of
 one length; a step of the engine carries requests of any lengths, so the rules apply transformers'
 arithmetic to every chosen row at once, each row with its own ids (its prompt and output, padded
 to the longest), length and prompt length: device ops only, no Python per row and no read of a
@@ -26,16 +29,27 @@ REFUSED_FIELDS = {
     "sequence_bias": None, "exponential_decay_length_penalty": None, "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0, "watermarking_config": None,
 }
+# Sampling fields (read with ``do_sample``) no engine step honours: when generate() adds its warper, and the
+# value that leaves it off.
+REFUSED_SAMPLING_FIELDS = {"typical_p": (lambda value: value < 1.0, 1.0),
+                           "epsilon_cutoff": (lambda value: 0.0 < value < 1.0, 0.0),
+                           "eta_cutoff": (lambda value: 0.0 < value < 1.0, 0.0), "top_h": (lambda value: True, None)}
+# generate()'s own default of a sampling field the config leaves unset (transformers >= 5.18 keeps None there).
+GENERATE_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
 
 
 @dataclass(frozen=True)
 class RowIds:
     """What the rules read of each chosen row: its ids [rows, width] (prompt then output, padded past
-    ``lengths``), their ``lengths`` [rows] and the ``prompt_lengths`` [rows] (int64, on the scores' device)."""
+    ``lengths``), their ``lengths`` [rows] and the ``prompt_lengths`` [rows] (int64, on the scores' device);
+    where any request holds back its stop ids, each row's ``min_new`` [rows] and ``stops`` [rows, n] (its
+    stop ids, padded with -1)."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
     prompt_lengths: torch.Tensor
+    min_new: Optional[torch.Tensor] = None
+    stops: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -102,7 +116,7 @@ class GenerationRules:
         if min_length is not None and min_length > 0 and eos:
             add("min_length", min_length=min_length)
         min_new = getattr(config, "min_new_tokens", None)
-        if min_new is not None and min_new > 0 and eos:
+        if min_new is not None and min_new > 0:  # held back: the EOS ids and each request's own stop ids
             add("min_new_tokens", min_new_tokens=min_new)
         forced_bos = getattr(config, "forced_bos_token_id", None)
         if forced_bos is not None:
@@ -146,7 +160,7 @@ class GenerationRules:
         bad[[word[0] for word in self.bad_words if len(word) == 1]] = float("-inf")
         self._static.clear()
         self._static.update({
-            "for": (vocab, device), "eos": mask(self.eos), "suppress": mask(self.suppress),
+            "for": (vocab, device), "suppress": mask(self.suppress),
             "begin": mask(self.begin_suppress), "bos": forced(() if self.forced_bos is None else (self.forced_bos,)),
             "forced_eos": forced(self.forced_eos_ids), "bad": bad,
             "prefixes": [(torch.tensor(word[:-1], dtype=torch.int64, device=device), word) for word in self.bad_words
@@ -166,11 +180,12 @@ class GenerationRules:
             scores = self._no_repeat_ngram(scores, rows)
         if self.bad_words:
             scores = scores + self._bad_word_bias(scores, rows)
-        if self.min_length:
-            scores = torch.where((rows.lengths < self.min_length)[:, None] & static["eos"], -math.inf, scores)
-        if self.min_new_tokens:
-            short = (rows.lengths - rows.prompt_lengths) < self.min_new_tokens
-            scores = torch.where(short[:, None] & static["eos"], -math.inf, scores)
+        if rows is not None and rows.stops is not None:  # minimum length, minimum new tokens: every stop id held
+            short = (rows.lengths - rows.prompt_lengths) < rows.min_new
+            if self.min_length:
+                short = short | (rows.lengths < self.min_length)
+            held = _token_mask(vocab, rows.stops, (rows.stops >= 0) & short[:, None])
+            scores = scores.masked_fill(held, -math.inf)
         if self.forced_bos is not None:
             scores = torch.where((rows.lengths == 1)[:, None], static["bos"], scores)
         if self.forced_eos is not None:
@@ -221,6 +236,34 @@ class GenerationRules:
         return bias
 
 
+def config_sampling(config: Any) -> Optional[Dict[str, float]]:
+    """One request's sampling parameters (``SamplingMetadata.from_params`` keywords, one value each) as
+    ``generate()`` samples with ``config`` (a transformers GenerationConfig or None), or None when it does not
+    sample (``do_sample`` unset or False). ValueError naming a sampling field no engine step honours or a
+    value transformers' warper refuses."""
+    if config is None or not getattr(config, "do_sample", None):
+        return None
+    from transformers.generation import logits_process as processors
+
+    for name, (applied, off) in REFUSED_SAMPLING_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is not None and applied(value):
+            raise ValueError(f"generation_config.{name}: {value!r} is not honoured by the engine path "
+                             f"(leave it at {off!r}, or use model.generate())")
+    values = {name: getattr(config, name, None) for name in GENERATE_SAMPLING_DEFAULTS}
+    values = {name: default if values[name] is None else values[name]
+              for name, default in GENERATE_SAMPLING_DEFAULTS.items()}
+    temperature, top_k, top_p, min_p = (values[name] for name in GENERATE_SAMPLING_DEFAULTS)
+    processors.TemperatureLogitsWarper(temperature)  # transformers' own checks of each value
+    if top_k:
+        processors.TopKLogitsWarper(top_k)
+    processors.TopPLogitsWarper(top_p)
+    if min_p is not None:
+        processors.MinPLogitsWarper(min_p)
+    return {"temperatures": float(temperature), "top_ks": int(top_k) if top_k else -1, "top_ps": float(top_p),
+            "min_ps": 0.0 if min_p is None else float(min_p)}
+
+
 def _token_mask(vocab: int, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] bool: True at each row's ``tokens`` [rows, n] where ``keep`` [rows, n] (the others go to a
     spare column past the vocabulary, as transformers' processors send ids outside it)."""
@@ -243,4 +286,4 @@ def _bad_word_needs_whole_length(processors: Any) -> bool:
     return bool(scores[0, 5] == 0)
 
 
-__all__ = ["GenerationRules", "REFUSED_FIELDS", "RowIds"]
+__all__ = ["GenerationRules", "REFUSED_FIELDS", "REFUSED_SAMPLING_FIELDS", "RowIds", "config_sampling"]

@@ -9,6 +9,8 @@ is DECODE, EXTEND or MIXED; when only decodes run and ``steps_per_launch`` > 1, 
 decode steps); assigns its KV slots (graphrt.hf.engine_slots: host bookkeeping, a request's slots its
 own the moment they are assigned, so a step that raises, or an interrupt, releases every slot and row);
 hands the work to the executor (graphrt.hf.engine_step), and takes the tokens of the step they are due.
+With ``prefixes`` (graphrt.hf.prefix_sharing) a request's first prefill chunk may start after a cached
+prompt prefix, or wait for an earlier request computing more of it.
 
 With ``overlap`` (the engine's default on CUDA; SGLang's overlap scheduler and vLLM's async scheduling
 do the same) step N+1 is launched before step N's tokens are read: a decode whose last token is still
@@ -24,49 +26,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from graphrt.batch import ForwardMode
 from graphrt.hf.engine_slots import SlotTable
-from graphrt.hf.request_sampling import RequestTokens
+from graphrt.hf.requests import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
 # the tokens a step chose (flat) -> the tokens to go on with (tensor parallel: rank 0's, on every rank)
 ShareFn = Callable[[List[int]], List[int]]
-
-
-@dataclass
-class Request:
-    """One prompt being served: its request row, how many KV slots it was assigned and how many of its
-    tokens are in the KV cache, what its tokens are chosen from, the ids that stop it, and how many tokens
-    were chosen for it (read into its output, or one still on the device: row ``carried`` of the last
-    step launched)."""
-
-    index: int
-    arrival: int
-    tokens: RequestTokens
-    stops: FrozenSet[int] = frozenset()
-    row: int = 0
-    assigned: int = 0  # KV slots held in its table row (released with it, whatever happens to the step)
-    cached: int = 0
-    chosen: int = 0
-    carried: int = -1
-    stopped: bool = False  # one of its stop ids was read: later tokens are dropped
-
-    def __post_init__(self) -> None:
-        self.prompt: List[int] = self.tokens.prompt  # the same lists: a token appended to one is in both
-        self.output: List[int] = self.tokens.output
-
-    @property
-    def prefilling(self) -> bool:
-        """True while part of the prompt is not in the KV cache yet."""
-        return self.cached < len(self.prompt)
-
-    @property
-    def in_flight(self) -> bool:
-        """True while its last chosen token is on the device, not read yet."""
-        return self.chosen > len(self.output)
 
 
 @dataclass
@@ -80,10 +50,14 @@ class ServeConfig:
     max_context: int
     steps_per_launch: int = 1
 
+    def limit(self, request: Request) -> int:
+        """The most new tokens of ``request``: its own limit, else the call's."""
+        return request.max_new_tokens or self.max_new_tokens
+
     def slots_needed(self, request: Request) -> int:
         """The most KV slots ``request`` may take: its prompt, its new tokens but the last (never fed back)
         and the steps a launch may run past its stop, never more than the context (a launch stops there)."""
-        wanted = len(request.prompt) + self.max_new_tokens - 1 + self.steps_per_launch - 1
+        wanted = len(request.prompt) + self.limit(request) - 1 + self.steps_per_launch - 1
         return min(wanted, self.max_context)
 
 
@@ -97,6 +71,8 @@ class ServeCounts:
     prefill_steps: int = 0  # EXTEND or MIXED
     prefill_tokens: int = 0  # prompt tokens run in EXTEND/MIXED steps
     prefill_tokens_graphed: int = 0  # of those, in steps that replayed (piecewise graphs)
+    prefix_tokens_reused: int = 0  # prompt tokens not computed: their keys and values were a cached prefix's
+    prefix_requests: int = 0  # requests that started on a cached prefix
     max_running: int = 0
 
 
@@ -123,20 +99,46 @@ class StepWork:
 class StepExecutor(Protocol):
     """Runs the steps ``ServeLoop`` schedules (graphrt.hf.engine_step.EngineSteps)."""
 
+    def admit(self, request: Request) -> None:
+        """``request`` took its request row (before its first step)."""
+
     def launch(self, work: StepWork) -> Tuple[Any, int]:
         """Start ``work``: a handle ``read`` takes, and how many of its steps ran the model eagerly."""
 
     def read(self, handle: Any) -> List[int]:
         """The tokens a launched step chose, one per sampled row (a launch: step-major, every row)."""
 
+    def read_logprobs(self, handle: Any) -> Optional[List[Tuple[float, List[Tuple[int, float]]]]]:
+        """After ``read``: per sampled row, its token's log-probability and the top ones (None: none computed)."""
+
+
+class PrefixHooks(Protocol):
+    """Prefix sharing's side of the scheduler (graphrt.hf.prefix_sharing.PrefixSharing)."""
+
+    def ready(self, request: Request) -> bool:
+        """Whether ``request`` runs a prefill chunk in this step (its first may start on a cached prefix)."""
+
+    def refresh(self) -> None:
+        """Cache what the steps launched so far computed."""
+
+    def finish(self, request: Request) -> None:
+        """Cache a finished request's tokens."""
+
+    def drop(self, request: Request) -> None:
+        """``request`` releases its row."""
+
 
 class ServeLoop:
-    """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet) and
-    ``step()``; ``done`` holds each finished request's tokens by index."""
+    """The scheduler's state (requests waiting, running, and the step whose tokens are not read yet),
+    ``step()``, ``add`` and ``abort``; ``done`` holds each finished request's tokens by index, ``produced`` the
+    requests that got tokens since it was last cleared and how many they had before (the online engine
+    reports them)."""
 
     def __init__(self, slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> None:
+                 counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+                 prefixes: Optional[PrefixHooks] = None) -> None:
         self.slots = slots
+        self.prefixes = prefixes
         self.executor = executor
         self.config = config
         self.counts = counts
@@ -144,7 +146,8 @@ class ServeLoop:
         self.overlap = overlap and share is None and config.steps_per_launch == 1
         self.waiting: Deque[Request] = deque(sorted(requests, key=lambda request: (request.arrival, request.index)))
         self.running: List[Request] = []
-        self.done: List[Optional[List[int]]] = [None] * len(requests)
+        self.done: Dict[int, List[int]] = {}
+        self.produced: Dict[int, Tuple[Request, int]] = {}  # by index: the request, its tokens before
         self.clock = 0  # steps launched
         self.pending: Optional[Tuple[StepWork, Any]] = None
 
@@ -160,7 +163,8 @@ class ServeLoop:
         if work is None:
             if self.pending is not None:
                 return self._take(self._pop_pending())
-            self._idle()
+            if self.waiting:
+                self._idle()
             return []
         handle, eager = self.executor.launch(work)
         self._count(work, eager)
@@ -170,6 +174,23 @@ class ServeLoop:
         if not self.overlap:
             finished += self._take(self._pop_pending())
         return finished
+
+    def add(self, request: Request) -> None:
+        """Queue ``request``, arrived now."""
+        request.arrival = self.clock
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """End ``request`` now (waiting, prefilling or decoding): its row and KV slots back to the pools at once
+        (a step in flight that carries it still runs on the device before any later step; its token is dropped)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            return
+        self._finish(request, FinishReason.ABORT)
 
     def close(self) -> None:
         """Every request row and KV slot still held back to the pools (on return, an exception or an interrupt)."""
@@ -186,7 +207,9 @@ class ServeLoop:
                and self._slots_left() >= config.slots_needed(waiting[0])):
             request = waiting.popleft()
             request.row = self.slots.take_row()
+            request.times.admitted = time.perf_counter()
             self.running.append(request)
+            self.executor.admit(request)
         self.counts.max_running = max(self.counts.max_running, len(self.running))
 
     def _idle(self) -> None:
@@ -206,13 +229,15 @@ class ServeLoop:
 
     def _schedule(self) -> Optional[StepWork]:
         """The next step's work, its slots assigned (None: nothing to run before a token is read)."""
-        limit = self.config.max_new_tokens
+        limit = self.config.limit
         decodes: List[Request] = []
         prefills: List[Request] = []
+        if self.prefixes is not None:
+            self.prefixes.refresh()
         for request in self.running:
             if request.cached < len(request.prompt):
                 prefills.append(request)
-            elif request.chosen < limit and not request.stopped:
+            elif request.chosen < limit(request) and not request.stopped:
                 decodes.append(request)
         if not decodes and not prefills:
             return None
@@ -234,6 +259,8 @@ class ServeLoop:
         for request in prefills:
             if room <= 0:
                 break
+            if self.prefixes is not None and not self.prefixes.ready(request):
+                continue
             chunk = request.prompt[request.cached: request.cached + room]
             requests.append(request)
             counts.append(len(chunk))
@@ -289,35 +316,50 @@ class ServeLoop:
         tokens = self.executor.read(handle)
         if self.share is not None:
             tokens = self.share(tokens)
-        limit = self.config.max_new_tokens
+        limit = self.config.limit
         if work.steps > 1:
             rows = len(work.requests)
             for row, request in enumerate(work.requests):
                 for token in tokens[row::rows]:
-                    if request.stopped or len(request.output) >= limit:
+                    if request.stopped or len(request.output) >= limit(request) or request.finish_reason:
                         break
                     self._append(request, token)
                 request.chosen = len(request.output)
         else:
-            for position, token in zip(work.sampled, tokens):
+            logprobs = self.executor.read_logprobs(handle)
+            for index, (position, token) in enumerate(zip(work.sampled, tokens)):
                 request = work.requests[position]
-                if not request.stopped:
+                if not request.stopped and request.finish_reason is None:  # not ended, nor aborted since
                     self._append(request, token)
+                    if request.logprobs is not None:
+                        request.logprobs.append(logprobs[index])
         finished = [request for request in self.running
-                    if request.stopped or (len(request.output) >= limit and not request.in_flight)]
+                    if request.stopped or (len(request.output) >= limit(request) and not request.in_flight)]
         for request in finished:
             self.running.remove(request)
+            if self.prefixes is not None:
+                self.prefixes.finish(request)
             self._release(request)
-            self.done[request.index] = request.output
+            self._finish(request, (FinishReason.EOS if request.output[-1] in request.eos else FinishReason.STOP)
+                         if request.stopped else FinishReason.LENGTH)
         return finished
 
-    @staticmethod
-    def _append(request: Request, token: int) -> None:
+    def _append(self, request: Request, token: int) -> None:
+        if not request.output:
+            request.times.first_token = time.perf_counter()
+        self.produced.setdefault(request.index, (request, len(request.output)))
         request.output.append(token)
         if token in request.stops:
             request.stopped = True
 
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        request.times.finished = time.perf_counter()
+        self.done[request.index] = request.output
+
     def _release(self, request: Request) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(request)
         release(self.slots, request)
 
 
@@ -341,18 +383,20 @@ def release(slots: SlotTable, request: Request) -> None:
 
 
 def serve(slots: SlotTable, executor: StepExecutor, requests: Sequence[Request], config: ServeConfig,
-          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False) -> List[List[int]]:
+          counts: ServeCounts, share: Optional[ShareFn] = None, overlap: bool = False,
+          prefixes: Optional[PrefixHooks] = None) -> List[List[int]]:
     """Every request's generated tokens (up to ``max_new_tokens``, stopping after one of its stop ids),
     counting what ran in ``counts`` (filled as it goes: a call that raises leaves what it did). Every
     request row and KV slot taken is released on return, an exception or interrupt included."""
-    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap)
+    loop = ServeLoop(slots, executor, requests, config, counts, share, overlap, prefixes)
     try:
         while loop.busy:
             loop.step()
+            loop.produced.clear()
     finally:
         loop.close()
-    return loop.done
+    return [loop.done[request.index] for request in requests]
 
 
-__all__ = ["Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
+__all__ = ["PrefixHooks", "Request", "ServeConfig", "ServeCounts", "ServeLoop", "StepExecutor", "StepWork", "assigned_work", "release",
            "serve"]

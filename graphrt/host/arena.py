@@ -147,7 +147,7 @@ class InputBuffers:
         self.device_arena[:end].copy_(self.host_arena[:end], non_blocking=True)
         event = self.copy_events[self._current]
         if event is not None:
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream: the arena device's
             self._pending[self._current] = True
         self._staged = True
 
@@ -161,7 +161,7 @@ class InputBuffers:
         self.host_arena[offset:offset + count].copy_(source, non_blocking=True)
         event = self.result_events[self._current]
         if event is not None:
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream: the arena device's
         return CopyBack(name, self._current, count, event)
 
     def read_back(self, copied: CopyBack) -> List[int]:

@@ -21,6 +21,8 @@ and ``-(-mode)`` the smallest mode among working ranks: they differ only if work
 
 A collective of an agreement that fails (a peer died, or did not reach it within the group's
 timeout) raises ``PeerLostError`` naming the rank and the agreement, instead of the backend's words only.
+So does a replay (``replayed``) whose collectives fail on the host (gloo), or that does not complete on
+the device within the model group's timeout (CUDA: graphrt's watchdog, graphrt/parallel/watchdog.py).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from graphrt.backends.base import CollectiveError
 from graphrt.batch import REQUEST_FIELDS, TOKEN_FIELDS, ForwardBatch, ForwardMode
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, GraphStatus
+from graphrt.parallel.watchdog import ReplayTimeout, ReplayWatchdog, group_timeout_s
 from graphrt.registry import Decision
 
 logger = logging.getLogger(__name__)
@@ -190,7 +194,24 @@ class Lockstep:
         self.world_size = dist.get_world_size(group)
         self.cpu_group = agreement_group(group, cpu_group)
         self._cpu_rank = dist.get_rank(self.cpu_group)
+        self.watchdog: Optional[ReplayWatchdog] = None  # armed for replays on the device (``watch_replays``)
         self.bind_keys(())
+
+    def watch_replays(self, device: torch.device) -> None:
+        """Replays on CUDA ``device``: each one's completion is awaited up to the model group's timeout
+        (graphrt/parallel/watchdog.py), since NCCL's watchdog does not see captured collectives."""
+        self.watchdog = ReplayWatchdog(group_timeout_s(self.group), device)
+
+    def replayed(self, replay: Callable[[], Any], what: str) -> Any:
+        """``replay()``'s result, once it completed (watched); a collective of it failing on the host, or the
+        replay not completing on the device within the timeout, is ``PeerLostError``."""
+        try:
+            result = replay()
+            if self.watchdog is not None:
+                self.watchdog.watch(what)
+        except (CollectiveError, ReplayTimeout) as error:
+            raise self._lost(what, error) from error
+        return result
 
     def agree_sizes(self, sizes: Sequence[int], config: Any) -> List[int]:
         """Rank 0's capture sizes, adopted by every rank; ValueError on all ranks if ``config`` differs.
@@ -257,10 +278,12 @@ class Lockstep:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.cpu_group)
         except RuntimeError as error:
-            raise PeerLostError(
-                f"lockstep: rank {self.rank} lost its peers at {what}: {type(error).__name__}: {error}. A peer died, "
-                "hangs (the wait ends at the CPU group's timeout) or stopped making the calls every rank must make"
-            ) from error
+            raise self._lost(what, error) from error
+
+    def _lost(self, what: str, error: BaseException) -> PeerLostError:
+        return PeerLostError(
+            f"lockstep: rank {self.rank} lost its peers at {what}: {type(error).__name__}: {error}. A peer died, "
+            "hangs (the wait ends at the group's timeout) or stopped making the calls every rank must make")
 
     def agree_capture(self, entry: GraphEntry, phase: str, error: Optional[Exception]) -> Optional[Exception]:
         """After one phase of ``entry``'s capture (every rank calls it, ``error`` is this rank's):
