@@ -63,7 +63,8 @@ class Contents:
         return "python_state", f"{self.path}: its items were reordered since capture"
 
 
-def _items(container: Collection[Any], keep: List[Any], skip: AbstractSet[Any] = frozenset()) -> Tuple[Tuple[Any, Any], ...]:
+def _items(container: Collection[Any], keep: List[Any],
+           skip: AbstractSet[Any] = frozenset()) -> Tuple[Tuple[Any, Any], ...]:
     """``(key, frozen value)`` of a dict's items (but ``skip``'s), a list's positions, a set's members."""
     if isinstance(container, dict):
         return tuple((key, frozen(value, keep)) for key, value in container.items() if key not in skip)
