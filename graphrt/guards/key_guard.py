@@ -149,20 +149,20 @@ class KeyGuard:
         names = frozenset(observation.attribute_names())  # an object the step read counts for these attributes
         # what the step writes of its own (a counter, a log it appends to) is its state, frozen in replays as
         # the graph contract says: never a change between calls (graphrt.guards.step_writes)
-        written = observation.written
+        step_wrote = observation.written
         python = PythonState([*modules, *holders, *reads.submodules],
                              [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
                              [*objects, *entry, *values],
-                             {id(obj): names - _written_names(obj, written) for _, obj in reads.objects})
+                             {id(obj): names - _written_names(obj, step_wrote) for _, obj in reads.objects})
         compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
         # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
         # and the attributes of objects whose class cannot tell of an assignment (a C type)
         lookups = [(cls, name) for cls, name in step_lookups(observation)
-                   if not any((id(klass), name) in written for klass in cls.__mro__)]
+                   if not any((id(klass), name) in step_wrote for klass in cls.__mro__)]
         in_place = Versioned([*class_reads(lookups),
                               *(Contents(container, path) for path, container in reads.containers
-                                if id(container) not in compared and (id(container), None) not in written),
-                              *(Contents(vars(obj), name, _written_names(obj, written)) for name, obj in read_objects
+                                if id(container) not in compared and (id(container), None) not in step_wrote),
+                              *(Contents(vars(obj), name, _written_names(obj, step_wrote)) for name, obj in read_objects
                                 if not watch_class(type(obj))),
                               *([Environment(observation.environment)] if observation.environment else [])])
         context = ContextVariables(observation.context_variables)
