@@ -1,8 +1,10 @@
 """The CUDA-graph contract, proven on CPU with the recording (emulated) backend.
 
 Replay runs the recorded ops, never the model's Python: branches and Python scalars are frozen
-at capture, captured tensors are read live, host syncs fail capture naming the op and the
-model's line, and capture leaves every tensor the model can reach as it was.
+in the graph (the guards see a change to what the step read and run the call under the new state),
+Python state the step writes itself is frozen in replays, captured tensors are read live, host
+syncs fail capture naming the op and the model's line, and capture leaves every tensor the model
+can reach as it was.
 """
 
 from __future__ import annotations
@@ -119,24 +121,35 @@ def test_a_python_branch_changed_after_capture_takes_the_new_branch():
     assert "python_state: BranchyModel.double True -> False" in fast.stats()["guard_failures"]
 
 
-def test_python_scalar_is_frozen_and_tensors_are_read_live():
+def test_tensors_are_read_live_and_a_python_scalar_changed_in_place_is_seen():
+    """A captured tensor is read by every replay; a Python float is baked into the graph, and the dict it
+    came from is compared per call (issue 49, item 4: a container the step reads changed in place gives
+    eager's result), so the call after the change runs with the new value, naming it."""
     weight = torch.ones(3)
     settings = {"scale": 2.0}
     fast = wrap(lambda x: x * weight * settings["scale"], max_batch_size=2, capture_sizes=[2], backend="emulated")
     fast(torch.ones(2, 3))
     fast(torch.ones(2, 3))
-    settings["scale"] = 10.0  # a Python float baked into the graph
     weight.fill_(5.0)  # a captured tensor: read at every replay
-    assert torch.equal(fast(torch.ones(2, 3)), torch.full((2, 3), 10.0))
+    assert torch.equal(fast(torch.ones(2, 3)), torch.full((2, 3), 10.0)) and fast.stats()["graph_runs"] == 2
+    settings["scale"] = 10.0  # a Python float the graph baked in
+    assert torch.equal(fast(torch.ones(2, 3)), torch.full((2, 3), 50.0))
+    (failure,) = fast.stats()["guard_failures"]
+    assert failure.startswith("python_state: settings (closure of") and failure.endswith("['scale'] 2.0 -> 10.0")
 
 
-def test_a_tensor_rebound_after_capture_is_not_seen_by_replays():
+def test_a_tensor_rebound_in_a_container_after_capture_is_seen():
+    """The graph keeps the tensor it captured; the dict holding it is a binding guarded per call (issue 49,
+    item 3), so the call after the rebinding gives eager's result, naming the entry."""
     holder = {"bias": torch.zeros(3)}
     fast = wrap(lambda x: x + holder["bias"], max_batch_size=2, capture_sizes=[2], backend="emulated")
     fast(torch.ones(2, 3))
     fast(torch.ones(2, 3))
-    holder["bias"] = torch.full((3,), 7.0)  # a new tensor: the graph keeps the captured one
-    assert torch.equal(fast(torch.ones(2, 3)), torch.ones(2, 3))
+    holder["bias"] = torch.full((3,), 7.0)  # a new tensor: the graph holds the captured one
+    assert torch.equal(fast(torch.ones(2, 3)), torch.full((2, 3), 8.0))
+    (failure,) = fast.stats()["guard_failures"]
+    assert failure.startswith("rebound_state: holder (closure of")
+    assert failure.endswith("['bias'] is bound to another object than at capture")
 
 
 def test_outputs_are_the_same_tensors_every_replay():

@@ -1,13 +1,17 @@
-"""What capture's own runs of the step leave behind (issue 49, item 2).
+"""What capture's own runs of the step leave behind (issue 49, item 2, as the graph contract has it).
 
 Capture runs the user's step several times besides the call it serves (warm-up, recording, verification,
-the padding check). A step that writes Python state no replay would write (a class-level counter, a
-helper object's counter, a dict it counts into) must leave, after N calls through graphrt, the state
-eager leaves after N calls, and give eager's result on each: capture puts such writes back and refuses
-the key by name (RebindError, with the write and its line), so the calls run eagerly from the right state.
+the padding check); a replay runs none of its Python, so Python state the step writes (a class-level
+counter, a helper object's counter, a dict it counts into) is frozen in replays. Capture puts back what
+each of its runs wrote, logging the write and its line: after N calls through graphrt that state reads as
+eager leaves it after the calls graphrt ran eagerly, never advanced by capture's runs; the key is not
+refused, and the step's own writes (an eager call of the model between two calls) are no change of state
+the key's guard reads.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -60,23 +64,22 @@ class DictCounter(nn.Module):
 
 def eager_then_graphrt(model, state, reset):
     """``CALLS`` eager calls, then as many through wrap() from the same starting state: the outputs of
-    both and what ``state()`` read after each series."""
+    both and what ``state()`` read after the graphrt series."""
     x = torch.randn(4, 8)
     with torch.no_grad():
         reset()
         eager = [model(x) for _ in range(CALLS)]
-        eager_state = state()
         reset()
         fast = wrap(model, max_batch_size=4, capture_sizes=[4])
         graphed = [fast(x) for _ in range(CALLS)]
-    return eager, graphed, eager_state, state(), fast
+    return x, eager, graphed, state(), fast
 
 
 def class_counter():
     def reset():
         ClassCounter.calls = 0
 
-    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", 30, CALLS
+    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", 34, lambda calls: calls
 
 
 def helper_counter():
@@ -85,25 +88,36 @@ def helper_counter():
     def reset():
         model.stats.calls = 0
 
-    return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", 46, CALLS
+    return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", 50, lambda calls: calls
 
 
 def dict_counter():
     def reset():
         COUNTS.update(rows=0, calls=0)
 
-    return DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", 56, {"rows": 4 * CALLS, "calls": CALLS}
+    return (DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", 60,
+            lambda calls: {"rows": 4 * calls, "calls": calls})
 
 
 @pytest.mark.parametrize("case", [class_counter, helper_counter, dict_counter], ids=lambda case: case.__name__)
-def test_python_state_the_step_writes_ends_as_eager_leaves_it(case):
-    model, state, reset, path, line, expected = case()
-    eager, graphed, eager_state, graphed_state, fast = eager_then_graphrt(model, state, reset)
-    assert graphed_state == eager_state == expected
-    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
-    (reason,) = fast.stats()["failed_keys"].values()
-    assert reason.startswith(f"RebindError: {path}: the step writes it")
-    assert f"test_guards_capture_runs.py:{line} in forward" in reason
+def test_python_state_the_step_writes_is_put_back_after_captures_runs_and_frozen_in_replays(case, caplog):
+    model, state, reset, path, line, after = case()
+    with caplog.at_level(logging.INFO, logger="graphrt.guards.step_writes"):
+        x, eager, graphed, graphed_state, fast = eager_then_graphrt(model, state, reset)
+    # call 1: the warm-up, eager; call 2: capture (each of its runs put back), served by the graph; 3-5: replays
+    assert fast.stats()["eager_reasons"] == {"warmup": 1} and fast.stats()["graph_runs"] == CALLS - 1
+    assert not fast.stats()["failed_keys"]
+    assert graphed_state == after(1), "capture's runs must leave no trace, replays run no Python"
+    assert torch.equal(graphed[0], eager[0])
+    assert all(torch.equal(out, eager[1]) for out in graphed[1:]), "the recording's counter, frozen"
+    logs = [record.getMessage() for record in caplog.records if path in record.getMessage()]
+    logged = logs[0]  # once per observed run (the padding check's and capture's)
+    assert logged.startswith(f"{path}: the step writes it") and "put back after each capture run" in logged
+    assert f"test_guards_capture_runs.py:{line} in forward" in logged
+    with torch.no_grad():
+        model(x)  # the step's own write, outside graphrt: no change of state the key reads
+        fast(x)
+    assert state() == after(2) and fast.stats()["graph_runs"] == CALLS and not fast.stats()["guard_failures"]
 
 
 def test_a_step_writing_no_python_state_still_replays():

@@ -29,14 +29,26 @@ from graphrt.parallel.watchdog import ReplayTimeout, ReplayWatchdog, group_timeo
 
 TIMEOUT_S = 60
 GROUP_TIMEOUT_S = 1.0
-LOST = {"peers": False}  # the fake collective's peers: gone once the test says so
+
+
+class Peers:
+    """The fake collective's peers, gone once the test says so. Held in slots: a peer dying is no Python
+    state of the step (a global dict its op reads would be one, compared per call since issue 49)."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        self.lost = False
+
+
+PEERS = Peers()
 
 
 @torch.library.custom_op("graphrt_test::device_all_reduce", mutates_args=("hidden",))
 def device_all_reduce(hidden: torch.Tensor) -> None:
     """A collective on the device (NCCL's all-reduce over one rank: the values stay). Over the fake torch.cuda,
     once its peers are gone, the kernel launched by a replay never completes: the stream stalls."""
-    if LOST["peers"]:
+    if PEERS.lost:
         from fake_cuda import FakeCuda
 
         FakeCuda.installed.current_stream().stall("an all-reduce waiting for a peer that died")
@@ -75,7 +87,7 @@ def fake_cuda_worker(rank: int) -> dict:
                          process_group=group, progress=False)
     runner.capture()
     healthy = runner(decode_batch(3, seed=1)).clone()
-    LOST["peers"] = True
+    PEERS.lost = True
     start, outcome = time.monotonic(), {}
     try:
         out = runner(decode_batch(3, seed=2))

@@ -101,7 +101,8 @@ def python_state_kept(roots: Sequence[Tuple[str, Any]], fn: Any = None) -> Itera
     """A run of a step for capture: the bindings of ``roots`` it changed (RebindGuard), every attribute
     it assigned (AssignmentJournal) and the class attributes, helper objects and containers of the model's
     own code it wrote (StepWrites; ``fn``: the wrapped callable, whose globals and closure count) are put
-    back, and refused (RebindError)."""
+    back; the first two refused (RebindError), the last kept as eager's calls leave it (a replay runs no
+    Python)."""
     with RebindGuard(roots) as rebinding, AssignmentJournal(rebinding.paths()), StepWrites(roots, fn) as writes:
         yield writes
 
@@ -114,6 +115,7 @@ def observed_run(step: Callable[[], Any], roots: Sequence[Tuple[str, Any]], fn: 
         writes.observation = observation  # a refused write is named with its line
         observation.refuse_host_draws()
         observation.refuse_assigned_globals()
+    observation.written = writes.written  # the step's own state: left out of the key's per-call compare
     return result, observation
 
 

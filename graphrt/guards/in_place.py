@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -39,16 +39,17 @@ class Watched(Protocol):
 
 class Contents:
     """A container the step reads (a dict, list or set): its items at capture, plain values by value and
-    tensors and objects by identity (a tensor rebound in it is a binding changed, as a module's)."""
+    tensors and objects by identity (a tensor rebound in it is a binding changed, as a module's); a dict's
+    ``skip`` keys (what the step itself writes: an object's counter) are left out."""
 
-    __slots__ = ("mapping", "path", "captured", "_keep")
+    __slots__ = ("mapping", "path", "captured", "_keep", "skip")
 
-    def __init__(self, container: Collection[Any], path: str) -> None:
-        self.mapping, self.path, self._keep = container, path, []
-        self.captured = _items(container, self._keep)
+    def __init__(self, container: Collection[Any], path: str, skip: AbstractSet[Any] = frozenset()) -> None:
+        self.mapping, self.path, self._keep, self.skip = container, path, [], skip
+        self.captured = _items(container, self._keep, skip)
 
     def change(self) -> Optional[Change]:
-        now = _items(self.mapping, [])
+        now = _items(self.mapping, [], self.skip)
         if now == self.captured:
             return None
         before, after = dict(self.captured), dict(now)
@@ -62,10 +63,11 @@ class Contents:
         return "python_state", f"{self.path}: its items were reordered since capture"
 
 
-def _items(container: Collection[Any], keep: List[Any]) -> Tuple[Tuple[Any, Any], ...]:
-    """``(key, frozen value)`` of a dict's items, a list's positions, a set's members (by themselves)."""
+def _items(container: Collection[Any], keep: List[Any],
+           skip: AbstractSet[Any] = frozenset()) -> Tuple[Tuple[Any, Any], ...]:
+    """``(key, frozen value)`` of a dict's items (but ``skip``'s), a list's positions, a set's members."""
     if isinstance(container, dict):
-        return tuple((key, frozen(value, keep)) for key, value in container.items())
+        return tuple((key, frozen(value, keep)) for key, value in container.items() if key not in skip)
     if isinstance(container, list):
         return tuple(enumerate(frozen(value, keep) for value in container))
     return tuple((member, member) for member in frozen(container, keep)[1])

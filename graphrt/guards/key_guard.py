@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -147,16 +147,23 @@ class KeyGuard:
         reads = step_reads(observation, plain_objects, entry, spec.fn, functions)
         read_objects = [*plain_objects, *reads.objects]
         names = frozenset(observation.attribute_names())  # an object the step read counts for these attributes
+        # what the step writes of its own (a counter, a log it appends to) is its state, frozen in replays as
+        # the graph contract says: never a change between calls (graphrt.guards.step_writes)
+        step_wrote = observation.written
         python = PythonState([*modules, *holders, *reads.submodules],
                              [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
-                             [*objects, *entry, *values], {id(obj): names for _, obj in reads.objects})
+                             [*objects, *entry, *values],
+                             {id(obj): names - _written_names(obj, step_wrote) for _, obj in reads.objects})
         compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
         # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
         # and the attributes of objects whose class cannot tell of an assignment (a C type)
-        in_place = Versioned([*class_reads(step_lookups(observation)),
+        lookups = [(cls, name) for cls, name in step_lookups(observation)
+                   if not any((id(klass), name) in step_wrote for klass in cls.__mro__)]
+        in_place = Versioned([*class_reads(lookups),
                               *(Contents(container, path) for path, container in reads.containers
-                                if id(container) not in compared),
-                              *(Contents(vars(obj), name) for name, obj in read_objects if not watch_class(type(obj))),
+                                if id(container) not in compared and (id(container), None) not in step_wrote),
+                              *(Contents(vars(obj), name, _written_names(obj, step_wrote)) for name, obj in read_objects
+                                if not watch_class(type(obj))),
                               *([Environment(observation.environment)] if observation.environment else [])])
         context = ContextVariables(observation.context_variables)
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
@@ -261,6 +268,11 @@ class KeyGuard:
                 f"{path}: its memory was swapped since capture (e.g. `.data = other`); a CUDA graph reads the "
                 "captured memory, so replays would compute with the old values. Update weights in place "
                 "(`copy_`, `load_state_dict`), or call recapture() after swapping them")
+
+
+def _written_names(obj: Any, written: AbstractSet[Tuple[int, Any]]) -> FrozenSet[str]:
+    """The attributes of ``obj`` the step itself wrote (``written``: graphrt.guards.step_writes)."""
+    return frozenset(name for holder, name in written if holder == id(obj) and name is not None)
 
 
 def _values_read(fn: Any, observation: Observation) -> List[Tuple[str, Any]]:

@@ -74,6 +74,8 @@ class Observation:
     context_variables: List[contextvars.ContextVar] = field(default_factory=list)
     environment: Set[str] = field(default_factory=set)
     host_draws: List[str] = field(default_factory=list)  # draws from Python's or numpy's generators, with their line
+    # the Python state the step wrote of its own (graphrt.guards.step_writes): (id(holder), attribute or None)
+    written: Set[Tuple[int, Any]] = field(default_factory=set)
 
     def lines_of(self, code: types.CodeType) -> Optional[Set[int]]:
         """The lines of ``code`` that ran, or None when they were not traced (any may have)."""

@@ -17,7 +17,7 @@ import functools
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -68,11 +68,13 @@ class Reads:
 
 def is_plain_object(value: Any) -> bool:
     """An object whose attributes a step can read: not a module, tensor, function, class, Python module,
-    partial or graphrt's own object (a GraphedCallable, an attention backend refreshing its metadata)."""
+    partial or graphrt's own object (a GraphedCallable, an attention backend refreshing its metadata before
+    each replay), a user's subclass of one included (it keeps graphrt's protocol: the runner writes its
+    per-step metadata)."""
     if not hasattr(value, "__dict__") or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.FunctionType,
                                                             types.MethodType, types.ModuleType, functools.partial)):
         return False
-    return type(value).__module__.split(".")[0] != "graphrt"
+    return not any(klass.__module__.split(".")[0] == "graphrt" for klass in type(value).__mro__)
 
 
 def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], entry: Sequence[Tuple[str, Any]],
@@ -104,6 +106,8 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
                 reads.add(f"{name} (closure of {function.__qualname__})", value, containers=False)
     for scope, names in observation.globals_read():
         for name in names:
+            if _global_log(observation, scope, name):
+                continue  # a global log the step appends to (a custom op's ``SEEN.append(...)``): never read
             if id(scope[name]) not in holders or isinstance(scope[name], CONTAINERS):
                 reads.add(f"global {name}", scope[name], containers=False)
     for code, scope in observation.codes.items():  # GLOBAL.name: a container of a global object, read in place
@@ -147,6 +151,12 @@ def _module_reads(module: torch.nn.Module, observation: Observation, reads: Read
         held = getattr(attributes.get(name), "__dict__", {}).get(attribute)
         if is_plain_object(attributes.get(name)) and isinstance(held, CONTAINERS):
             reads.add(f"{owner}.{name}.{attribute}", held)
+
+
+def _global_log(observation: Observation, scope: Dict[str, Any], name: str) -> bool:
+    """Whether every code that ran in ``scope`` naming ``name`` only appends to the global (a log)."""
+    codes = [code for code, globals_ in observation.codes.items() if globals_ is scope and name in code.co_names]
+    return bool(codes) and all(only_appended(code, name) for code in codes)
 
 
 def _partials(fn: Any) -> List[functools.partial]:

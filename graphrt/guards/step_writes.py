@@ -1,19 +1,22 @@
 """StepWrites: Python state outside the modules' own attributes that a run of the step for capture writes.
 
 Capture runs the step several times besides the call it serves (warm-up, recording, verification, the
-padding check); a replay runs none of its Python. A step that writes a class attribute (``type(self).calls
-+= 1``), a helper object a module holds (``self.stats.calls += 1``) or a container (a dict it counts into,
-at module level, in a closure, a module's dict attribute) would leave that state advanced by capture's runs
-and frozen by every replay. ``with StepWrites(roots, fn): step()`` saves that state before the run (the
-classes, helper objects and containers of the model's own code, reached from the step's roots, the modules'
-defining files and the wrapped callable's globals and closure), puts back whatever the run changed, and
-refuses the key (RebindError) naming the first write and, once the run was observed, its line. Installed
-libraries' and torch's classes and globals are left out, as the guards leave them (frozen at capture).
+padding check); a replay runs none of its Python (the graph contract: Python state the step writes is
+frozen). A step that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
+(``self.stats.calls += 1``) or a container (a dict it counts into, at module level, in a closure, a module's
+dict attribute) would leave that state advanced by capture's runs. ``with StepWrites(roots, fn): step()``
+saves that state before the run (the classes, helper objects and containers of the model's own code, reached
+from the step's roots, the modules' defining files and the wrapped callable's globals and closure) and puts
+back what the run changed, logging the first write and its line once per key; what it added (a memo's key,
+a log's new items) is kept. ``written`` names what the step wrote: the step's own state, which the key's
+per-call compare of what the step reads leaves out (graphrt.guards.key_guard). Installed libraries' and
+torch's classes and globals are left out, as the guards leave them (frozen at capture).
 """
 
 from __future__ import annotations
 
 import dis
+import logging
 import sys
 import types
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -22,7 +25,9 @@ import torch
 
 from graphrt.guards.class_state import class_dict
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
-from graphrt.layout.rebind_guard import RebindError, differs, entries_changed, restore_entries
+from graphrt.layout.rebind_guard import differs, entries_changed
+
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -46,10 +51,11 @@ def _plain_object(value: Any) -> bool:
 
 class StepWrites:
     """Saves, before one run of the step, the Python state of the model's own code it could write that no
-    replay writes; after it, puts back what changed and raises RebindError naming it (unless the run raised)."""
+    replay writes; after it, puts back what changed (additions kept) and notes what was written."""
 
     def __init__(self, roots: Sequence[Tuple[str, Any]], fn: Any = None) -> None:
         self.observation: Optional[Observation] = None  # the run's observation, for the line of a write
+        self.written: Set[Tuple[int, Any]] = set()  # (id(holder), attribute name, or None: a container)
         # (path, kind, holder, shallow copy): kind "class" (holder: the class), "object" (its vars) or "container"
         self._saved: List[Tuple[str, str, Any, Any]] = []
         self._seen: Set[int] = set()
@@ -103,56 +109,65 @@ class StepWrites:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        changed = self._changed()
-        if changed is None:
-            return
-        self._restore()
-        if exc_type is None:
-            path, name, before, now = changed
+        changes = self._changes()
+        if changes and self.observation is not None:  # once per key: its observed run
+            path, name, before, now = changes[0]
             line = self._line(name)
-            at = f", at {line}" if line else ""
-            raise RebindError(
-                f"{path}: the step writes it ({_shown(before)} -> {_shown(now)}{at}); capture runs the step more than "
-                "once and a replay runs none of its Python, so the state would stop following eager's. Keep such "
-                "state in a tensor written in place, or pass it as an argument")
+            logger.info("%s: the step writes it (%s -> %s%s): put back after each capture run; replays run no "
+                        "Python, so this state stays as the eager calls leave it", path, _shown(before), _shown(now),
+                        f", at {line}" if line else "")
+        self._restore()
 
-    def _changed(self) -> Optional[Tuple[str, Any, Any, Any]]:
-        """``(path, name, before, now)`` of the first entry changed since the save, else None. An entry
-        added where none was (a key, a set's member, an attribute) is lazy initialisation, as eager's first
-        call at that size does (a per-shape memo): kept, not refused. A list counts whole (a log grows)."""
+    def _changes(self) -> List[Tuple[str, Any, Any, Any]]:
+        """``(path, name, before, now)`` of each entry the run changed or removed; what it wrote, additions
+        included, goes into ``written`` (the step's own state: the per-call compare leaves it out)."""
+        changes: List[Tuple[str, Any, Any, Any]] = []
         for path, kind, holder, saved in self._saved:
             current = self._current(kind, holder)
-            if kind == "container" and isinstance(holder, set):
-                if not saved <= holder:
-                    return path, path.rsplit(".", 1)[-1], sorted(saved, key=repr), sorted(holder, key=repr)
-                continue
-            if not entries_changed(current, saved):
-                continue
-            keys = range(max(len(current), len(saved))) if isinstance(current, list) else saved
+            if kind == "container":
+                if isinstance(holder, set):
+                    if holder != saved:
+                        self.written.add((id(holder), None))
+                    if not saved <= holder:
+                        changes.append((path, path.rsplit(".", 1)[-1], sorted(saved, key=repr),
+                                        sorted(holder, key=repr)))
+                    continue
+                if not entries_changed(current, saved):
+                    continue
+                self.written.add((id(holder), None))
+            keys = range(len(saved)) if isinstance(current, list) else saved
             for key in keys:
                 then, now = _entry(saved, key), _entry(current, key)
                 if differs(now, then):
                     where = f"{path}[{key!r}]" if kind == "container" else f"{path}.{key}"
-                    return where, path.rsplit(".", 1)[-1] if kind == "container" else key, then, now
-        return None
+                    changes.append((where, path.rsplit(".", 1)[-1] if kind == "container" else key, then, now))
+                    if kind != "container":
+                        self.written.add((id(holder), key))
+            if kind != "container":
+                self.written.update((id(holder), name) for name in current if name not in saved)
+        return changes
 
     @staticmethod
     def _current(kind: str, holder: Any) -> Any:
         return class_dict(holder) if kind == "class" else vars(holder) if kind == "object" else holder
 
     def _restore(self) -> None:
-        """Everything saved as it was (the additions the run made too: the key is refused)."""
+        """What the run changed or removed, as it was. An entry it added where none was (a key, a set's
+        member, a list's new items, an attribute) is kept: lazy initialisation, as eager's first call at that
+        size makes it (a per-shape memo), or a log the step appends to."""
         for _, kind, holder, saved in reversed(self._saved):
             if kind == "container":
                 if isinstance(holder, set):
-                    holder.clear()
                     holder.update(saved)
+                elif isinstance(holder, list):
+                    if entries_changed(holder[:len(saved)], saved):
+                        holder[:] = saved
                 else:
-                    restore_entries(holder, saved)
+                    for key, value in saved.items():
+                        if holder.get(key, _MISSING) is not value:
+                            holder[key] = value
                 continue
             current = self._current(kind, holder)
-            for name in [name for name in current if name not in saved]:
-                delattr(holder, name)
             for name, value in saved.items():
                 if current.get(name, _MISSING) is not value:
                     setattr(holder, name, value)  # through setattr: a class's attribute cache is renewed
