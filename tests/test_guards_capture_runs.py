@@ -42,11 +42,18 @@ class Stats:
         self.calls = 0
 
 
-class HelperCounter(nn.Module):
+class SlottedStats:
+    __slots__ = ("calls",)
+
     def __init__(self):
+        self.calls = 0
+
+
+class HelperCounter(nn.Module):
+    def __init__(self, stats=Stats):
         super().__init__()
         self.proj = nn.Linear(8, 8)
-        self.stats = Stats()
+        self.stats = stats()
 
     def forward(self, x):
         self.stats.calls += 1
@@ -87,17 +94,22 @@ def class_counter():
     def reset():
         ClassCounter.calls = 0
 
-    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", line_of(ClassCounter.forward, "type(self).calls += 1"), lambda calls: calls
+    line = line_of(ClassCounter.forward, "type(self).calls += 1")
+    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", line, lambda calls: calls
 
 
-def helper_counter():
-    model = HelperCounter()
+def helper_counter(stats=Stats):
+    model = HelperCounter(stats)
 
     def reset():
         model.stats.calls = 0
 
     line = line_of(HelperCounter.forward, "self.stats.calls += 1")
     return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", line, lambda calls: calls
+
+
+def slotted_helper_counter():
+    return helper_counter(SlottedStats)
 
 
 def dict_counter():
@@ -108,7 +120,8 @@ def dict_counter():
             lambda calls: {"rows": 4 * calls, "calls": calls})
 
 
-@pytest.mark.parametrize("case", [class_counter, helper_counter, dict_counter], ids=lambda case: case.__name__)
+@pytest.mark.parametrize("case", [class_counter, helper_counter, slotted_helper_counter, dict_counter],
+                         ids=lambda case: case.__name__)
 def test_python_state_the_step_writes_is_put_back_after_captures_runs_and_frozen_in_replays(case, caplog):
     model, state, reset, path, line, after = case()
     with caplog.at_level(logging.INFO, logger="graphrt.guards.step_writes"):
