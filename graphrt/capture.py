@@ -206,7 +206,7 @@ class KeyCapture:
         """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
         write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
         the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY.
-        ``watch``: a context the warm-ups run in, whose exit may refuse the key (raise); ``warm_up``:
+        ``watch``: a context the first warm-up runs in, whose exit may refuse the key (raise); ``warm_up``:
         runs the first warm-up (at least one then runs), whose ``CaptureDeferred`` propagates, the key pending."""
         step = recorded_step(entry)
         record: Optional[Record] = None
@@ -345,7 +345,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     back before the next run); every in-place write and every random draw undone. The
     generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
     ``journal``: the StateJournal to use, for a caller that reads what the step wrote; ``watch``:
-    a context the warm-ups also run in (whose exit may raise, refusing the key). ``capture_path``:
+    a context the first warm-up's run of ``fn`` also runs in (whose exit may raise, refusing the key). ``capture_path``:
     the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
     step, whose compiled code must not see a patched flag). ``compile_step(put_back)``: run between the
     warm-ups and the recording with no dispatch mode active (a torch.compile'd step compiles there, not
@@ -355,13 +355,19 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
     journal = StateJournal() if journal is None else journal
     with torch.no_grad():
         try:
+            def watched() -> Any:  # the first warm-up's run of the step, in ``watch``
+                with watch if watch is not None else nullcontext():
+                    return fn()
+
             with journal, eager_stance():
-                with backend.warmup_context(capture_path), watch if watch is not None else nullcontext():
+                with backend.warmup_context(capture_path):
                     for run in range(warmup_iters):
-                        if run == 0 and warm_up is not None:
-                            warm_up(fn)
-                        else:
+                        if run > 0:
                             fn()
+                        elif warm_up is not None:
+                            warm_up(watched)
+                        else:
+                            watched()
                         journal.put_back()  # each run starts from the state as it was (a cache's length)
                 generators = journal.generators.explicit()
             if compile_step is not None:

@@ -467,8 +467,16 @@ class GraphedCallable:
         signature.stage(leaves, real, cut=True)
 
         def warm_up(step: Callable[[], Any]) -> None:
+            runs = []  # "started", then "done": how far the padded-size run (the warm-up) went
+
+            def padded_run() -> Any:
+                runs.append("started")
+                outputs = step()
+                runs.append("done")
+                return outputs
+
             why, error = padding_refusal(self.fn, signature, real, size, self.scratch_storages,
-                                         entry.guard_spec.rebind_roots(), step)
+                                         entry.guard_spec.rebind_roots(), padded_run)
             if why is None:
                 return
             if error is None and why not in self._padding_warned:
@@ -478,9 +486,11 @@ class GraphedCallable:
             stager = SignatureStager(signature)
             graphs.registry.add_sizes(MODE, range(1, self.max_batch_size + 1),
                                       lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
-            if defer and rows != size:  # a step that cannot run at both sizes fails the key, as it would
-                raise error if error is not None else CaptureDeferred(why)
-            if error is not None:  # the real-size run raised: the padded one runs alone, as the warm-up
+            if error is not None and (runs == ["started"] or defer and rows != size):
+                raise error  # the warm-up raised, or a padded call's key cannot run at both sizes: it fails
+            if defer and rows != size:
+                raise CaptureDeferred(why)
+            if not runs:  # the real-size run raised: the padded one runs alone, as the warm-up
                 step()
 
         return warm_up

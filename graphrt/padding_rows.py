@@ -295,21 +295,12 @@ Refusal = Tuple[Optional[str], Optional[Exception]]  # why padding is refused (N
 def padding_refusal(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
                     roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]) -> Refusal:
     """For wrap(): why calls padded from ``real`` to ``padded`` rows must not share one graph, or None
-    when they may (``signature_padding_write``), and the error when the step cannot run at ``real`` rows
-    (state sized to the batch, such as a StaticCache, or a write too large to copy). ``padded_step`` is
-    capture's first warm-up, run as the padded-size run; an error it raises is the capture's, raised."""
-    padded_ran = False
-
-    def padded_run() -> Any:
-        nonlocal padded_ran
-        padded_ran = True
-        return padded_step()
-
+    when they may (``signature_padding_write``), and the error when the step cannot run at both sizes
+    (state sized to the batch, such as a StaticCache, or a write too large to copy). ``padded_step``:
+    the step on all ``padded`` rows (wrap(): the capture's first warm-up)."""
     try:
-        write = signature_padding_write(fn, signature, real, padded, scratch, roots, padded_run)
-    except Exception as error:
-        if padded_ran:
-            raise
+        write = signature_padding_write(fn, signature, real, padded, scratch, roots, padded_step)
+    except Exception as error:  # a failed capture would say the same: no padded graph for this layout
         return f"the step does not run at both {real} and {padded} rows ({type(error).__name__}: {error})", error
     return (None if write is None else f"{write.describe()}; {fix_for(write)}"), None
 
