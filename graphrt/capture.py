@@ -121,6 +121,15 @@ class CaptureReport:
 
 # Bytes a capture may copy to undo writes it cannot narrow to rows (opaque ops writing a whole tensor).
 WHOLE_SAVE_BUDGET = 16 << 20
+# Runs a key's first warm-up its own way, given the step (wrap()'s padding check runs it as its padded-size run).
+WarmUp = Callable[[Callable[[], Any]], None]
+
+
+class CaptureDeferred(Exception):
+    """Raised by a key's first warm-up (``WarmUp``): this call must not record the key, which stays pending
+    for a later call (wrap(): a padded call whose padding rows write state; its own size records instead)."""
+
+
 # Every rank calls it after each phase of a key's capture ("prepare", "capture", "verify") with its own
 # error (None: the phase succeeded here); it returns the error to fail the key with because the phase
 # failed on another rank, else None. GraphRunner passes Lockstep.agree_capture in lockstep.
@@ -155,10 +164,11 @@ class KeyCapture:
         peer_error = self.agree(entry, phase, error)
         return error if error is not None else peer_error
 
-    def capture_all(self, registry: GraphRegistry, before_capture: Optional[Callable[[GraphEntry], None]] = None,
+    def capture_all(self, registry: GraphRegistry,
+                    before_capture: Optional[Callable[[GraphEntry], Optional[WarmUp]]] = None,
                     progress: bool = True) -> CaptureReport:
         """Capture every pending key of ``registry``, largest first; ``before_capture`` runs before
-        each key's warm-up. A key whose capture raises is marked FAILED with the reason and the
+        each key's warm-up and may return how to run its first warm-up (``WarmUp``). A key whose capture raises is marked FAILED with the reason and the
         others go on, unless the step was refused (``StepRefusal``: code no key can hold), which fails
         every later key with it. KeyboardInterrupt stops the loop, keeps the keys already captured and
         propagates."""
@@ -171,16 +181,17 @@ class KeyCapture:
             for entry in pending:
                 start = time.perf_counter()
                 error: Optional[Exception] = refusal
+                warm_up: Optional[WarmUp] = None
                 try:
                     if before_capture is not None and error is None:
-                        before_capture(entry)
+                        warm_up = before_capture(entry)
                 except Exception as caught:  # a failed capture disables only this key
                     error = caught
                 error = self._agreed(entry, "prepare", error)
                 if error is not None:
                     registry.mark_failed(entry, error)
                 else:
-                    self.capture_entry(registry, entry, self.warmup_iters)
+                    self.capture_entry(registry, entry, self.warmup_iters, warm_up=warm_up)
                     refusal = entry.refused
                 entry.seconds = time.perf_counter() - start
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
@@ -191,11 +202,12 @@ class KeyCapture:
         return report
 
     def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "",
-                      watch: Optional[AbstractContextManager] = None) -> bool:
+                      watch: Optional[AbstractContextManager] = None, warm_up: Optional[WarmUp] = None) -> bool:
         """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
         write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
         the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY.
-        ``watch``: a context the warm-ups run in, whose exit may refuse the key (raise)."""
+        ``watch``: a context the first warm-up runs in, whose exit may refuse the key (raise); ``warm_up``:
+        runs the first warm-up (at least one then runs), whose ``CaptureDeferred`` propagates, the key pending."""
         step = recorded_step(entry)
         record: Optional[Record] = None
         if entry.record is not None:
@@ -204,10 +216,12 @@ class KeyCapture:
         error: Optional[Exception] = None
         entry.refused, entry.runs_compiled, entry.compiled = None, False, None  # this capture's findings
         try:
-            graph = capture_graph(self.backend, step, max(warmup_iters, 1) if self.compiled else warmup_iters, record,
-                                  journal, watch, capture_path=not self.compiled,
-                                  compile_step=lambda put_back: self._compile(entry, put_back))
+            runs = max(warmup_iters, 1) if self.compiled or warm_up is not None else warmup_iters
+            graph = capture_graph(self.backend, step, runs, record, journal, watch, capture_path=not self.compiled,
+                                  compile_step=lambda put_back: self._compile(entry, put_back), warm_up=warm_up)
             check_devices(entry, graph, self.backend.graph_device)
+        except CaptureDeferred:
+            raise
         except Exception as caught:  # a failed capture disables only this key
             error = caught
             if isinstance(caught, StepRefusal):
@@ -324,26 +338,36 @@ Record = Callable[[Callable[[], Any], Sequence[torch.Generator]], CapturedGraph]
 def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: int, record: Optional[Record] = None,
                   journal: Optional[StateJournal] = None, watch: Optional[AbstractContextManager] = None,
                   capture_path: bool = False,
-                  compile_step: Optional[Callable[[Callable[[], None]], None]] = None) -> CapturedGraph:
+                  compile_step: Optional[Callable[[Callable[[], None]], None]] = None,
+                  warm_up: Optional[WarmUp] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The
     generators the warm-ups were handed go to the recording (CUDA registers them with the graph).
     ``journal``: the StateJournal to use, for a caller that reads what the step wrote; ``watch``:
-    a context the warm-ups also run in (whose exit may raise, refusing the key). ``capture_path``:
+    a context the first warm-up's run of ``fn`` also runs in (whose exit may raise, refusing the key). ``capture_path``:
     the warm-ups take the step's capture path (``GraphBackend.warmup_context``; not for a torch.compile'd
     step, whose compiled code must not see a patched flag). ``compile_step(put_back)``: run between the
     warm-ups and the recording with no dispatch mode active (a torch.compile'd step compiles there, not
     under a mode nor inside a CUDA capture); it writes the regions the warm-ups wrote, put back after
-    it (and by ``put_back()`` between its runs)."""
+    it (and by ``put_back()`` between its runs). ``warm_up(fn)``: runs the first warm-up in place of ``fn()``."""
     record = backend.capture if record is None else record
     journal = StateJournal() if journal is None else journal
     with torch.no_grad():
         try:
+            def watched() -> Any:  # the first warm-up's run of the step, in ``watch``
+                with watch if watch is not None else nullcontext():
+                    return fn()
+
             with journal, eager_stance():
-                with backend.warmup_context(capture_path), watch if watch is not None else nullcontext():
-                    for _ in range(warmup_iters):
-                        fn()
+                with backend.warmup_context(capture_path):
+                    for run in range(warmup_iters):
+                        if run > 0:
+                            fn()
+                        elif warm_up is not None:
+                            warm_up(watched)
+                        else:
+                            watched()
                         journal.put_back()  # each run starts from the state as it was (a cache's length)
                 generators = journal.generators.explicit()
             if compile_step is not None:

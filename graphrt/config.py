@@ -56,6 +56,9 @@ class RunnerConfig:
     With them, steps no full graph serves replay piecewise graphs keyed by padded token count
     (``piecewise_sizes``; default: powers of two from 1 up to the larger of ``max_batch_size`` and
     the largest extend token size, 512 by default, that size included). See docs/ARCHITECTURE.md.
+    ``warmup_iters``: eager runs of each key's step before its recording (default 1, observed: what the
+    step read is what its guard checks); with the recording and the verification, a key's capture runs
+    the step three times. At least 1 on CUDA.
     ``verify``: compare each key's first replay with eager on the same inputs at capture (one
     extra eager step and replay per key); a difference keeps the key eager (``verify_failed``).
     ``decode_steps``: step counts (ints >= 2) of the multi-step keys captured for every decode
@@ -80,7 +83,7 @@ class RunnerConfig:
     modes: Iterable[ForwardMode] = (ForwardMode.DECODE,)
     backend: str = "auto"
     device: Optional[Union[str, torch.device]] = None
-    warmup_iters: int = 2
+    warmup_iters: int = 1
     pad_values: Mapping[str, int] = field(default_factory=dict)
     copy_outputs: bool = False
     batch_context: Mapping[str, Any] = field(default_factory=dict)

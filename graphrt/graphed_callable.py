@@ -43,7 +43,7 @@ from graphrt.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
 from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import ForwardMode, debug_enabled
-from graphrt.capture import CaptureReport, KeyCapture
+from graphrt.capture import CaptureDeferred, CaptureReport, KeyCapture, WarmUp
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
@@ -250,10 +250,12 @@ class GraphedCallable:
                                  "padding it would be a guess; capture with an example whose batch size differs "
                                  "from its other dims")
 
-            def stage_example(entry: GraphEntry) -> None:
-                self._padding_refused(layout, entry, leaves, rows)
-                signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
+            def stage_example(entry: GraphEntry) -> Optional[WarmUp]:
+                warm_up = self._padding_check(layout, entry, leaves, rows, defer=False)
+                if warm_up is None:
+                    signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
                 self._static_inputs(signature, entry)
+                return warm_up
 
             report = layout.graphs.capture.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
             if report.ok:
@@ -431,9 +433,9 @@ class GraphedCallable:
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
         """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays.
         A padded key that fails is not final: the call's own size gets a graph (logged as INFO)."""
-        if self._padding_refused(layout, entry, leaves, batch_size):
-            return False
-        layout.signature.stage(leaves, batch_size)
+        warm_up = self._padding_check(layout, entry, leaves, batch_size, defer=True)
+        if warm_up is None:
+            layout.signature.stage(leaves, batch_size)
         self._static_inputs(layout.signature, entry)
         padded = entry.key.num_tokens
         then = "" if batch_size == padded else f"calls of {batch_size} rows get a graph at their own size"
@@ -442,33 +444,56 @@ class GraphedCallable:
         watch = None if expected is None else refuse_changed_reads(set(layout.signature.slot_paths()), expected,
                                                                     entry.guard_spec.roots())
         with capture.backend.capture_session():  # one warm-up at the padded shape first, its writes undone
-            return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch)
+            try:
+                return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch, warm_up)
+            except CaptureDeferred:
+                return False
 
-    def _padding_refused(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int) -> bool:
-        """Before ``entry``'s key first records: if smaller calls will pad to it, compare the step on
-        the fewest rows it serves (this call's first rows, pad values above) with the step on all its
-        rows (graphrt.padding_rows). Padding rows that write state the real rows' step does not
-        (or a step that cannot run at both sizes) make the layout record every size exactly, said once.
-        True when this call, padded, must not record the key."""
+    def _padding_check(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int,
+                       defer: bool) -> Optional[WarmUp]:
+        """Before ``entry``'s key first records: if smaller calls will pad to it, stage the fewest rows it
+        serves (this call's first rows, pad values above) and return the key's first warm-up, which runs
+        the step on those rows and then, as the warm-up, on all its rows, comparing the two
+        (graphrt.padding_rows). Padding rows that write state the real rows' step does not (or a step that
+        cannot run at both sizes) make the layout record every size exactly, said once; with ``defer``
+        (a call of ``rows``, padded) the key then records on a later call of its own size. None when no
+        check is due (the call's rows staged by the caller)."""
         graphs = layout.graphs
         size = entry.key.num_tokens
         real = min(rows, graphs.registry.smallest_padded(MODE, size, KeyKind.CALL))
         if graphs.exact_sizes is not None or real >= size:
-            return False
-        why, error = padding_refusal(self.fn, layout.signature, leaves, real, size, self.scratch_storages,
-                                     entry.guard_spec.rebind_roots())
-        if why is None:
-            return False
-        if error is not None and rows != size:  # as its capture would have failed: the call's size gets a graph
-            graphs.registry.mark_failed(entry, error, then=f"calls of {rows} rows get a graph at their own size")
-        elif error is None and why not in self._padding_warned:
-            self._padding_warned.add(why)
-            logger.warning("wrap(): %s. Calls of layout %d are recorded at their exact sizes", why, layout.number)
-        graphs.exact_sizes = why
-        stager = SignatureStager(layout.signature)
-        graphs.registry.add_sizes(MODE, range(1, self.max_batch_size + 1),
-                                  lambda key: self._make_entry(layout.signature, stager, key), KeyKind.CALL)
-        return rows != size
+            return None
+        signature = layout.signature
+        signature.stage(leaves, real, cut=True)
+
+        def warm_up(step: Callable[[], Any]) -> None:
+            runs = []  # "started", then "done": how far the padded-size run (the warm-up) went
+
+            def padded_run() -> Any:
+                runs.append("started")
+                outputs = step()
+                runs.append("done")
+                return outputs
+
+            why, error = padding_refusal(self.fn, signature, real, size, self.scratch_storages,
+                                         entry.guard_spec.rebind_roots(), padded_run)
+            if why is None:
+                return
+            if error is None and why not in self._padding_warned:
+                self._padding_warned.add(why)
+                logger.warning("wrap(): %s. Calls of layout %d are recorded at their exact sizes", why, layout.number)
+            graphs.exact_sizes = why
+            stager = SignatureStager(signature)
+            graphs.registry.add_sizes(MODE, range(1, self.max_batch_size + 1),
+                                      lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
+            if error is not None and (runs == ["started"] or defer and rows != size):
+                raise error  # the warm-up raised, or a padded call's key cannot run at both sizes: it fails
+            if defer and rows != size:
+                raise CaptureDeferred(why)
+            if not runs:  # the real-size run raised: the padded one runs alone, as the warm-up
+                step()
+
+        return warm_up
 
     def _exact_size_entry(self, layout: Layout[LayoutGraphs], batch_size: int) -> GraphEntry:
         """A key of the call's own size, for a size whose padded key's capture failed."""

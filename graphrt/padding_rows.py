@@ -6,7 +6,8 @@ see a padding row that writes a live request's KV slot (``index_copy_`` at slot 
 value). ``find_padding_write`` runs the step at the real size and at the padded size on the same
 static slots, both under one StateJournal (every write undone), and compares what they did to
 the state (memory that existed before, outside the step's own argument slots and the caller's
-declared scratch):
+declared scratch). In wrap() the padded-size run is the key's first capture warm-up, so the check
+costs one run of the step, at the real size:
 
 * where they wrote: the rows of every region the padded step wrote (the index values of an
   ``index_put_``/``index_copy_``/``scatter_`` into a view, or the view a ``copy_``, an ``add_`` or an
@@ -291,38 +292,34 @@ def _arguments_of(taint: ArgumentTaint, region: WrittenRegion) -> Tuple[FrozenSe
 Refusal = Tuple[Optional[str], Optional[Exception]]  # why padding is refused (None: it is not), and the error
 
 
-def padding_refusal(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
-                    scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]) -> Refusal:
+def padding_refusal(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
+                    roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]) -> Refusal:
     """For wrap(): why calls padded from ``real`` to ``padded`` rows must not share one graph, or None
     when they may (``signature_padding_write``), and the error when the step cannot run at both sizes
-    (state sized to the batch, such as a StaticCache, or a write too large to copy)."""
+    (state sized to the batch, such as a StaticCache, or a write too large to copy). ``padded_step``:
+    the step on all ``padded`` rows (wrap(): the capture's first warm-up)."""
     try:
-        write = signature_padding_write(fn, signature, leaves, real, padded, scratch, roots)
+        write = signature_padding_write(fn, signature, real, padded, scratch, roots, padded_step)
     except Exception as error:  # a failed capture would say the same: no padded graph for this layout
         return f"the step does not run at both {real} and {padded} rows ({type(error).__name__}: {error})", error
     return (None if write is None else f"{write.describe()}; {fix_for(write)}"), None
 
 
-def signature_padding_write(fn: Callable[..., Any], signature: Any, leaves: List[Any], real: int, padded: int,
-                            scratch: Set[Storage], roots: Sequence[Tuple[str, Any]]
+def signature_padding_write(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
+                            roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]
                             ) -> "Optional[PaddingWrite | PaddingDraw]":
-    """For wrap(): stage the call's first ``real`` rows into ``signature``'s slots (pad values above
-    them) and compare ``fn`` on ``real`` and on ``padded`` rows of the slots (``find_padding_write``);
-    the slots and ``scratch`` are not state. Each run puts back the Python bindings of ``roots`` it
-    changed, every attribute it assigned and every global it read and rebound (a step that does raises
-    RebindError, as its capture would). The slots keep the staged rows."""
-    signature.stage(leaves, real, cut=True)
+    """For wrap(), the slots staged with the call's first ``real`` rows (pad values above them): compare
+    ``fn`` on ``real`` rows of the slots with ``padded_step``, the step on all ``padded`` rows
+    (``find_padding_write``); the slots and ``scratch`` are not state. The real-size run puts back the
+    Python bindings of ``roots`` it changed, every attribute it assigned and every global it read and
+    rebound (a step that does raises RebindError, as its capture would)."""
+    call = signature.static_arguments(real)
 
-    def run(rows: int) -> Callable[[], Any]:
-        call = signature.static_arguments(rows)
-
-        def step() -> Any:
-            return observed_run(lambda: fn(*call.args, **call.kwargs), roots, fn)[0]
-
-        return step
+    def real_step() -> Any:
+        return observed_run(lambda: fn(*call.args, **call.kwargs), roots, fn)[0]
 
     slots = signature.slot_paths()
-    return find_padding_write(run(real), run(padded), real, padded, set(slots) | scratch, slots, draws=True)
+    return find_padding_write(real_step, padded_step, real, padded, set(slots) | scratch, slots, draws=True)
 
 
 # ---- what wrap()'s padding rows hold: pad_values=, by argument path ------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 import sys
 from contextlib import contextmanager
 
@@ -23,16 +25,35 @@ BACKENDS = [
 
 
 class Faults:
-    """Fault injection for a test model, held as an object with slots: flipping a fault is no change of
-    the model's state. A plain attribute its forward reads would be one, and so is an attribute of an
-    object with a ``__dict__`` the step reads (issue 49: the guards would run the steps after it eagerly);
-    the guards read no slots object's attributes."""
+    """Fault injection for a test model: flipping a fault is no change of the model's state. A plain
+    attribute its forward reads would be one, and so is an attribute of any object the step reads (issue 49:
+    the guards would run the steps after it eagerly, slots included); the faults live in an ``array`` the
+    properties read, whose items no guard compares (a buffer, not a container of Python values)."""
 
-    __slots__ = ("capture_at", "now")
+    __slots__ = ("_state",)
+    _NONE = -1
 
     def __init__(self, capture_at=None):
+        self._state = array.array("q", [self._NONE, 0])
         self.capture_at = capture_at  # the batch size whose steps raise
         self.now = False  # every step raises
+
+    @property
+    def capture_at(self):
+        value = self._state[0]
+        return None if value == self._NONE else value
+
+    @capture_at.setter
+    def capture_at(self, value):
+        self._state[0] = self._NONE if value is None else value
+
+    @property
+    def now(self):
+        return bool(self._state[1])
+
+    @now.setter
+    def now(self, value):
+        self._state[1] = int(value)
 
 
 @contextmanager

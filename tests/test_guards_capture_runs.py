@@ -11,13 +11,15 @@ the key's guard reads.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from graphrt import wrap
+from graphrt import GraphRunner, wrap
 
 CALLS = 5
 COUNTS = {"rows": 0, "calls": 0}
@@ -40,11 +42,18 @@ class Stats:
         self.calls = 0
 
 
-class HelperCounter(nn.Module):
+class SlottedStats:
+    __slots__ = ("calls",)
+
     def __init__(self):
+        self.calls = 0
+
+
+class HelperCounter(nn.Module):
+    def __init__(self, stats=Stats):
         super().__init__()
         self.proj = nn.Linear(8, 8)
-        self.stats = Stats()
+        self.stats = stats()
 
     def forward(self, x):
         self.stats.calls += 1
@@ -75,31 +84,44 @@ def eager_then_graphrt(model, state, reset):
     return x, eager, graphed, state(), fast
 
 
+def line_of(function, text: str) -> int:
+    """The line of ``function``'s source that holds ``text`` (the write the log must name)."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(index for index, line in enumerate(lines) if text in line)
+
+
 def class_counter():
     def reset():
         ClassCounter.calls = 0
 
-    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", 34, lambda calls: calls
+    line = line_of(ClassCounter.forward, "type(self).calls += 1")
+    return ClassCounter(), lambda: ClassCounter.calls, reset, "ClassCounter.calls", line, lambda calls: calls
 
 
-def helper_counter():
-    model = HelperCounter()
+def helper_counter(stats=Stats):
+    model = HelperCounter(stats)
 
     def reset():
         model.stats.calls = 0
 
-    return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", 50, lambda calls: calls
+    line = line_of(HelperCounter.forward, "self.stats.calls += 1")
+    return model, lambda: model.stats.calls, reset, "HelperCounter.stats.calls", line, lambda calls: calls
+
+
+def slotted_helper_counter():
+    return helper_counter(SlottedStats)
 
 
 def dict_counter():
     def reset():
         COUNTS.update(rows=0, calls=0)
 
-    return (DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", 60,
+    return (DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", line_of(DictCounter.forward, 'COUNTS["rows"] +='),
             lambda calls: {"rows": 4 * calls, "calls": calls})
 
 
-@pytest.mark.parametrize("case", [class_counter, helper_counter, dict_counter], ids=lambda case: case.__name__)
+@pytest.mark.parametrize("case", [class_counter, helper_counter, slotted_helper_counter, dict_counter],
+                         ids=lambda case: case.__name__)
 def test_python_state_the_step_writes_is_put_back_after_captures_runs_and_frozen_in_replays(case, caplog):
     model, state, reset, path, line, after = case()
     with caplog.at_level(logging.INFO, logger="graphrt.guards.step_writes"):
@@ -127,3 +149,58 @@ def test_a_step_writing_no_python_state_still_replays():
     with torch.no_grad():
         assert all(torch.equal(fast(x), model(x)) for _ in range(CALLS))
     assert fast.stats()["graph_runs"] >= CALLS - 2 and not fast.stats()["failed_keys"]
+
+
+# A count the journal cannot put back (an iterator's position): how many times capture ran the step.
+RUNS = itertools.count()
+
+
+def runs_so_far() -> int:
+    return int(repr(RUNS).removeprefix("count(").removesuffix(")"))
+
+
+class CountedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        next(RUNS)
+        return self.proj(x)
+
+
+class CountedEngineModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, input_ids, positions, forward_batch):
+        next(RUNS)
+        return self.embed(input_ids % 16) + positions.unsqueeze(-1)
+
+
+def test_a_graph_runners_capture_runs_the_step_three_times_per_key():
+    runner = GraphRunner(CountedEngineModel(), max_batch_size=4, capture_sizes=[1, 2, 4])
+    before = runs_so_far()
+    report = runner.capture()
+    assert len(report.ok) == 3
+    assert runs_so_far() - before == 3 * 3, "one warm-up (observed), the recording, the verification per key"
+
+
+@pytest.mark.parametrize("first_rows,runs", [(2, 3), (4, 4), (3, 4)], ids=["exact", "exact-then-padded", "padded"])
+def test_a_wrapped_steps_recording_call_runs_it_three_times_and_once_more_at_the_real_size_to_check_padding(
+        first_rows, runs):
+    """wrap()'s first call of a size is its warm-up (the call's own eager step); the next records the
+    key: one warm-up (observed), the recording, the verification. A key smaller calls will pad to also
+    compares the padding rows' writes with the real rows' (graphrt.padding_rows): the padded-size run
+    of that check is the capture's warm-up, so the check adds one run, at the real size."""
+    model = CountedLinear()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[1, 2, 4])
+    x = torch.randn(first_rows, 8)
+    with torch.no_grad():
+        fast(x)
+        before = runs_so_far()
+        out = fast(x)
+        assert runs_so_far() - before == runs
+        assert fast.stats()["graph_runs"] == 1 and not fast.stats()["failed_keys"]
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)

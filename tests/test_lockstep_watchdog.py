@@ -11,6 +11,8 @@ collective fails at the peer's death or at the group's timeout, and that becomes
 
 from __future__ import annotations
 
+import array
+
 import datetime
 import os
 import sys
@@ -32,13 +34,22 @@ GROUP_TIMEOUT_S = 1.0
 
 
 class Peers:
-    """The fake collective's peers, gone once the test says so. Held in slots: a peer dying is no Python
-    state of the step (a global dict its op reads would be one, compared per call since issue 49)."""
+    """The fake collective's peers, gone once the test says so. A peer dying is no Python state of the step:
+    the flag lives in an ``array`` (a buffer no guard compares; an attribute or a global dict its op reads
+    would be Python state, compared per call since issue 49)."""
 
-    __slots__ = ("lost",)
+    __slots__ = ("_lost",)
 
     def __init__(self) -> None:
-        self.lost = False
+        self._lost = array.array("b", [0])
+
+    @property
+    def lost(self) -> bool:
+        return bool(self._lost[0])
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        self._lost[0] = int(value)
 
 
 PEERS = Peers()

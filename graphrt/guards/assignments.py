@@ -67,7 +67,8 @@ class AssignmentJournal:
 
     def _message(self, obj: Any, name: str, before: Any, now: Any, line: str) -> str:
         owner = type(obj)
-        path = f"{self._paths.get(id(obj)) or self._paths.get(id(vars(obj))) or owner.__qualname__}.{name}"
+        own = getattr(obj, "__dict__", None)
+        path = f"{self._paths.get(id(obj)) or self._paths.get(id(own)) or owner.__qualname__}.{name}"
         at = f", at {line}" if line else ""
         if is_plain_constant(before) and is_plain_constant(now):
             return (f"{path}: the step assigns it ({before!r} -> {now!r}{at}){owned_by(owner)}; a graph replays the "

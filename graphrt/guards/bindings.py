@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
+from graphrt.guards.attributes import attributes, has_attributes
 from graphrt.guards.epoch import Change, watch, watch_class
 from graphrt.guards.live_checks import Same
 from graphrt.guards.staged_tensors import TensorStaging
@@ -147,9 +148,9 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _bound(link: Link) -> Any:
     container = link.container
-    if isinstance(container, dict):
-        return container.get(link.key, _MISSING)
-    return container[link.key] if link.key < len(container) else _MISSING
+    if isinstance(container, list):
+        return container[link.key] if link.key < len(container) else _MISSING
+    return container.get(link.key, _MISSING)  # a dict, or an object's attributes
 
 
 def _opaque(value: Any) -> bool:
@@ -201,7 +202,7 @@ class _Finder:
         if isinstance(value, torch.nn.Module):
             self.seen.add(id(value))
             return self._module(value, path) or id(value) in self.targets
-        if isinstance(value, (list, tuple, dict)) or hasattr(value, "__dict__") and not _opaque(value):
+        if isinstance(value, (list, tuple, dict)) or has_attributes(value) and not _opaque(value):
             self.seen.add(id(value))
             return self._container(value, path, depth, inside_module)
         return False
@@ -233,7 +234,8 @@ class _Finder:
         elif isinstance(value, dict):
             items, container, form = list(value.items()), value, "{}[{!r}]"
         else:
-            items, container, form = list(vars(value).items()), vars(value), "{}.{}"
+            container, form = attributes(value), "{}.{}"
+            items = list(container.items())
         found = [Link(container, key, child, form.format(path, key), id(value)) for key, child in items
                  if self.visit(child, form.format(path, key), depth + 1, inside_module and container is value)]
         if found:  # an object's attributes: read again after an assignment bumped the epoch, if its class allows

@@ -35,6 +35,7 @@ import torch
 
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
+from graphrt.guards.attributes import has_attributes
 from graphrt.guards.bindings import Bindings, find_bindings
 from graphrt.guards.class_state import class_reads, step_lookups
 from graphrt.guards.context_reads import ContextVariables, Environment, ThreadLocal
@@ -86,7 +87,7 @@ class GuardSpec:
         the metadata its attention backend refreshes each step) is its own business. The object
         arguments' classes are watched: an assignment reaches the capture's journal, with its line."""
         for _, obj in self.objects:
-            if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__"):
+            if not isinstance(obj, torch.nn.Module) and has_attributes(obj):
                 watch_class(type(obj))
         return [*self.objects, *((name, obj) for name, obj in entry_roots(self.fn) if isinstance(obj, torch.nn.Module))]
 
@@ -140,7 +141,7 @@ class KeyGuard:
         roots = [*objects, *((type(module).__name__, module) for module in modules)]
         bindings = find_bindings(roots, touched - own, memory_of, modules, [*entry, *values])
         plain_objects = [(name, obj) for name, obj in objects
-                         if not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__")]
+                         if not isinstance(obj, torch.nn.Module) and has_attributes(obj)]
         ran = {id(module) for module in modules}
         holders = [module for module in bindings.modules if id(module) not in ran]  # a ModuleList the step iterated
         functions = functions_that_ran([*entry_functions(spec.fn), *_hooks(modules)], observation)
@@ -163,7 +164,7 @@ class KeyGuard:
                               *(Contents(container, path) for path, container in reads.containers
                                 if id(container) not in compared and (id(container), None) not in step_wrote),
                               *(Contents(vars(obj), name, _written_names(obj, step_wrote)) for name, obj in read_objects
-                                if not watch_class(type(obj))),
+                                if not watch_class(type(obj)) and hasattr(obj, "__dict__")),
                               *([Environment(observation.environment)] if observation.environment else [])])
         context = ContextVariables(observation.context_variables)
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),

@@ -20,6 +20,7 @@ from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, S
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
+from graphrt.guards.attributes import attributes
 from graphrt.guards.epoch import GLOBAL_HOOKS, HOOKS, SETTINGS, TRAINING, Change as Changed, watch
 from graphrt.guards.staged_tensors import TensorStaging
 from graphrt.guards.torch_settings import torch_settings
@@ -120,7 +121,7 @@ def object_state(obj: Any, keep: List[Any], names: Optional[AbstractSet[str]] = 
     """``(class, attributes)`` of a plain object the step reads (an engine, an object argument); ``names``:
     only those attributes (the names the step's code loads)."""
     keep.append(type(obj))
-    return type(obj), tuple((name, frozen(value, keep)) for name, value in vars(obj).items()
+    return type(obj), tuple((name, frozen(value, keep)) for name, value in attributes(obj).items()
                             if names is None or name in names)
 
 
@@ -195,7 +196,7 @@ class _Object:
         self.name, self.obj, self.names = name, obj, names
         self.captured = object_state(obj, keep, names)
         self.entries = dict(self.captured[1])
-        self.tensors = {key: value for key, value in vars(obj).items() if isinstance(value, torch.Tensor)}
+        self.tensors = {key: value for key, value in attributes(obj).items() if isinstance(value, torch.Tensor)}
 
     def state(self, keep: List[Any]) -> Tuple[Any, ...]:
         return object_state(self.obj, keep, self.names)
@@ -205,7 +206,7 @@ class _Object:
             return self.matches(self.state(keep), staging)
         if self.names is not None and aspect not in self.names:
             return True  # an attribute the step's code never loads by name
-        value = vars(self.obj).get(aspect, _REF)
+        value = attributes(self.obj).get(aspect, _REF)
         if value is _REF:
             return aspect not in self.entries
         if frozen(value, keep) == self.entries.get(aspect, _REF):
@@ -223,13 +224,13 @@ class _Object:
             after[name] == then or self._staged(name, staging) for name, then in self.entries.items())
 
     def _staged(self, name: str, staging: Optional[TensorStaging]) -> bool:
-        captured, now = self.tensors.get(name), vars(self.obj).get(name)
+        captured, now = self.tensors.get(name), attributes(self.obj).get(name)
         return staging is not None and captured is not None and now is not captured and staging.accept(
             (id(self.obj), name), captured, now, functools.partial(_attribute, self.obj, name))
 
 
 def _attribute(obj: Any, name: str) -> Any:
-    return vars(obj).get(name)
+    return attributes(obj).get(name)
 
 
 class PythonState:

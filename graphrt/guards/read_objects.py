@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 import torch
 
 from graphrt.guards.adapters import is_adapter_layer
+from graphrt.guards.attributes import attributes, has_attributes
 from graphrt.guards.observe import Observation
 from graphrt.guards.python_state import MODULE_INTERNALS
 from graphrt.guards.reads import global_attributes, only_appended, self_attributes, self_chains
@@ -61,7 +62,7 @@ class Reads:
         elif is_plain_object(value):
             self._seen.add(id(value))
             self.objects.append((path, value))
-            for name, held in vars(value).items():
+            for name, held in attributes(value).items():
                 if is_plain_object(held) or containers and isinstance(held, CONTAINERS):
                     self.add(f"{path}.{name}", held, depth + 1, containers)
 
@@ -71,7 +72,7 @@ def is_plain_object(value: Any) -> bool:
     partial or graphrt's own object (a GraphedCallable, an attention backend refreshing its metadata before
     each replay), a user's subclass of one included (it keeps graphrt's protocol: the runner writes its
     per-step metadata)."""
-    if not hasattr(value, "__dict__") or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.FunctionType,
+    if not has_attributes(value) or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.FunctionType,
                                                             types.MethodType, types.ModuleType, functools.partial)):
         return False
     return not any(klass.__module__.split(".")[0] == "graphrt" for klass in type(value).__mro__)
@@ -89,7 +90,7 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
     holders = {id(value) for _, value in entry}
     for path, obj in objects:  # their attributes are the step's (graphrt.guards.python_state): what they hold too
         reads.mark(obj)
-        for name, held in vars(obj).items() if hasattr(obj, "__dict__") else ():
+        for name, held in attributes(obj).items():
             reads.add(f"{path}.{name}", held, 1)
     ran = {id(module) for module in observation.modules}
     for module in observation.modules:
@@ -113,8 +114,9 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
     for code, scope in observation.codes.items():  # GLOBAL.name: a container of a global object, read in place
         for owner, name in global_attributes(code, observation.lines_of(code)):
             value = scope.get(owner)
-            if is_plain_object(value) and id(value) not in holders and isinstance(vars(value).get(name), CONTAINERS):
-                reads.add(f"global {owner}.{name}", vars(value)[name])
+            held = attributes(value).get(name) if is_plain_object(value) and id(value) not in holders else None
+            if isinstance(held, CONTAINERS):
+                reads.add(f"global {owner}.{name}", held)
     for partial in _partials(fn):
         reads.add(f"{_name(partial)}.keywords", partial.keywords)
         for index, argument in enumerate(partial.args):
@@ -137,19 +139,20 @@ def _module_reads(module: torch.nn.Module, observation: Observation, reads: Read
         lines = observation.lines_of(code)
         names |= self_attributes(code, lines)
         chains |= self_chains(code, lines)
-    attributes, children = vars(module), module._modules
+    own, children = vars(module), module._modules
     owner = type(module).__name__
     adapter = is_adapter_layer(module)  # PEFT's containers change through its API, which bumps the epoch
     for name in names - MODULE_INTERNALS:
         child = children.get(name)
         if child is not None and id(child) not in ran and reads.mark(child):
             reads.submodules.append(child)  # read, never called: its attributes are read (self.dropout.p)
-        value = attributes.get(name)
+        value = own.get(name)
         if value is not None and not name.startswith("__") and not (adapter and isinstance(value, CONTAINERS)):
             reads.add(f"{owner}.{name}", value, containers=False)
     for name, attribute in chains:  # self.config.rope_scaling: a container of a read object, read in place
-        held = getattr(attributes.get(name), "__dict__", {}).get(attribute)
-        if is_plain_object(attributes.get(name)) and isinstance(held, CONTAINERS):
+        obj = own.get(name)
+        held = attributes(obj).get(attribute) if is_plain_object(obj) else None
+        if isinstance(held, CONTAINERS):
             reads.add(f"{owner}.{name}.{attribute}", held)
 
 

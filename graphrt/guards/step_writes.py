@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from graphrt.guards.attributes import attributes, has_attributes
 from graphrt.guards.class_state import class_dict
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
 from graphrt.layout.rebind_guard import differs, entries_changed
@@ -46,7 +47,7 @@ def _user_module(name: str) -> bool:
 
 
 def _plain_object(value: Any) -> bool:
-    return hasattr(value, "__dict__") and not isinstance(value, _OPAQUE) and type(value).__module__ != "builtins"
+    return has_attributes(value) and not isinstance(value, _OPAQUE) and type(value).__module__ != "builtins"
 
 
 class StepWrites:
@@ -94,9 +95,9 @@ class StepWrites:
         if isinstance(value, CONTAINERS):
             self._save(path, "container", value, value.copy())
         elif _plain_object(value) and _user_module(type(value).__module__):
-            self._save(path, "object", value, dict(vars(value)))
+            self._save(path, "object", value, dict(attributes(value)))
             classes.update(dict.fromkeys(type(value).__mro__))
-            for name, held in vars(value).items():
+            for name, held in attributes(value).items():
                 if isinstance(held, CONTAINERS) and id(held) not in self._seen:
                     self._save(f"{path}.{name}", "container", held, held.copy())
 
@@ -149,7 +150,7 @@ class StepWrites:
 
     @staticmethod
     def _current(kind: str, holder: Any) -> Any:
-        return class_dict(holder) if kind == "class" else vars(holder) if kind == "object" else holder
+        return class_dict(holder) if kind == "class" else attributes(holder) if kind == "object" else holder
 
     def _restore(self) -> None:
         """What the run changed or removed, as it was. An entry it added where none was (a key, a set's
@@ -203,9 +204,9 @@ def _mutates(instruction: dis.Instruction) -> bool:
 
 
 def _entry(mapping: Any, key: Any) -> Any:
-    if isinstance(mapping, dict):
-        return mapping.get(key, _MISSING)
-    return mapping[key] if key < len(mapping) else _MISSING
+    if isinstance(mapping, list):
+        return mapping[key] if key < len(mapping) else _MISSING
+    return mapping.get(key, _MISSING)  # a dict, or an object's attributes
 
 
 def _shown(value: Any) -> str:
