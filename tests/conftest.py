@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import array
-
+import os
 import sys
 from contextlib import contextmanager
 
@@ -14,6 +14,11 @@ import torch
 from graphrt import ForwardBatch, ForwardMode
 from graphrt.parallel.lockstep import pad_forward_batch
 
+# One torch thread in the test processes and in the interpreters they start (OMP_NUM_THREADS, unless set): the
+# tests' ops are tiny, and on a shared 2-core machine running 2 pytest-xdist workers a second thread only
+# spin-waits for the first (a [4, 32] x [32, 64] linear took 16 ms of CPU with 2 threads under load, 4 us with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 SCRATCH_SLOT = 0
 gemm_rounding.install()  # GRAPHRT_TEST_GEMM_ROUNDING=1: GEMMs round per batch size (tests/gemm_rounding.py)
 CUDA_AVAILABLE = torch.cuda.is_available()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -25,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ])
 def test_example_runs(script, expected):
     result = subprocess.run([sys.executable, str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                            timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                 "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]})  # conftest: one thread
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout
