@@ -274,3 +274,33 @@ def test_graph_generate_follows_set_attn_implementation():
         expected = reference.generate(**inputs, **options)
         assert torch.equal(model.generate(**inputs, **options), expected)
     assert guards and all("_attn_implementation" in guard.state_failure().detail for guard in guards)
+
+
+class Tables:
+    """RoPE tables and a scale held by a plain object the wrapped function closes over."""
+
+    def __init__(self):
+        self.cos, self.sin, self.scale = torch.randn(8), torch.randn(8), 1.0
+
+
+def test_an_object_in_the_wrapped_functions_closure_is_read_like_a_global_one():
+    """Its tensor rebound (same shape and dtype: staged into the captured one, still replaying) and its
+    scale changed (eager's result, named) after capture: before, a closure cell's object was the wrapped
+    callable's own bookkeeping, never read, and replays gave the old tables' result."""
+    torch.manual_seed(0)
+    tables = Tables()
+
+    def rotate(x):
+        return (x * tables.cos + x.flip(-1) * tables.sin) * tables.scale
+
+    fast = wrap(rotate, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        replays = fast.stats()["graph_runs"]
+        tables.cos = torch.randn(8)
+        assert all(torch.equal(fast(x), rotate(x)) for _ in range(3))
+        assert fast.stats()["graph_runs"] == replays + 3
+        tables.scale = -2.0
+        assert all(torch.equal(fast(x), rotate(x)) for _ in range(3))
+    assert "scale" in failures(fast)

@@ -296,7 +296,8 @@ class PythonState:
         for state in objects:
             now = state.state(scratch)
             if not state.matches(now, staging):
-                return _attributes_change(state.name, state.captured[1], now[1])
+                staged = {name for owner, name in staging.pairs if owner == id(state.obj)} if staging else set()
+                return _attributes_change(state.name, state.captured[1], now[1], staged)
         return None
 
     def training(self) -> bool:
@@ -331,10 +332,12 @@ class PythonState:
         return type(module).__name__
 
 
-def _attributes_change(path: str, captured: Tuple[Any, ...], now: Tuple[Any, ...]) -> Change:
+def _attributes_change(path: str, captured: Tuple[Any, ...], now: Tuple[Any, ...],
+                       staged: AbstractSet[str] = frozenset()) -> Change:
+    """The first attribute that reads otherwise than at capture, the ``staged`` tensors aside."""
     before, after = dict(captured), dict(now)
     for name in {**before, **after}:
-        if before.get(name, _REF) != after.get(name, _REF):
+        if before.get(name, _REF) != after.get(name, _REF) and name not in staged:
             then, value = before.get(name, "<unset>"), after.get(name, "<unset>")
             if is_reference(then) or is_reference(value):
                 return "python_state", f"{path}.{name} is bound to another object than at capture"

@@ -85,7 +85,8 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
     ``functions`` (the model's own functions that ran) and the globals its code read, with the containers of
     the objects it reads attributes of; ``fn``'s partial keywords; the forward hook objects of the modules
     that ran; the object arguments ``objects`` and what they hold. ``entry``: what the wrapped callable
-    holds: its containers are read, but an object's own bookkeeping (an engine's timers) is not the step's."""
+    holds: its containers and the objects in its closure cells are read, but the bookkeeping of an object it is
+    bound to or is (an engine's timers) is not the step's."""
     reads = Reads()
     holders = {id(value) for _, value in entry}
     for path, obj in objects:  # their attributes are the step's (graphrt.guards.python_state): what they hold too
@@ -103,8 +104,9 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
                 continue
             if only_appended(function.__code__, name):
                 continue  # a log the step appends to (a hook's ``logged.append(...)``): never read
-            if id(value) not in holders or isinstance(value, CONTAINERS):
-                reads.add(f"{name} (closure of {function.__qualname__})", value, containers=False)
+            # an object in a closure cell, the wrapped function's own included, is read like a global one:
+            # its attributes the step's code loads (a table of tensors, a setting) are the step's state
+            reads.add(f"{name} (closure of {function.__qualname__})", value, containers=False)
     for scope, names in observation.globals_read():
         for name in names:
             if _global_log(observation, scope, name):
