@@ -159,20 +159,28 @@ class HeadConfig:
     softcap: float = 30.0
 
 
+@dataclasses.dataclass(slots=True)
+class SlottedHeadConfig:
+    """Its field lives in a slot: no ``__dict__`` to read it from."""
+
+    softcap: float = 30.0
+
+
 class Capped(ToyPagedModel):
     """The toy paged model reading a dataclass config at forward time."""
 
-    def __init__(self):
+    def __init__(self, config=HeadConfig):
         super().__init__()
-        self.config = HeadConfig()
+        self.config = config()
 
     def forward(self, input_ids, positions, forward_batch):
         logits = super().forward(input_ids, positions, forward_batch)
         return torch.tanh(logits / self.config.softcap) * self.config.softcap
 
 
-def test_a_runner_step_after_a_config_dataclass_field_changed_runs_eagerly():
-    model = Capped()
+@pytest.mark.parametrize("config", [HeadConfig, SlottedHeadConfig], ids=["dict", "slots"])
+def test_a_runner_step_after_a_config_dataclass_field_changed_runs_eagerly(config):
+    model = Capped(config)
     runner = captured_runner(model)
     batch = decode_batch(4)
     model.config.softcap = 0.1
@@ -184,8 +192,10 @@ def test_a_runner_step_after_a_config_dataclass_field_changed_runs_eagerly():
     assert any("softcap" in detail for detail in stats["guard_failures"])
 
 
-class Scale:
-    """A forward hook object: scales a module's output by its factor."""
+class ScaleBy:
+    """A forward hook object: scales a module's output by its factor (declares no attribute of its own)."""
+
+    __slots__ = ()
 
     def __init__(self, factor):
         self.factor = factor
@@ -194,9 +204,20 @@ class Scale:
         return output * self.factor
 
 
-def test_a_hook_objects_attribute_changed_after_capture_is_read():
+class Scale(ScaleBy):
+    """Its factor in its ``__dict__``."""
+
+
+class SlottedScale(ScaleBy):
+    """Its factor in a slot, and no ``__dict__``."""
+
+    __slots__ = ("factor",)
+
+
+@pytest.mark.parametrize("hook_class", [Scale, SlottedScale], ids=["dict", "slots"])
+def test_a_hook_objects_attribute_changed_after_capture_is_read(hook_class):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    hook = Scale(1.0)
+    hook = hook_class(1.0)
     model[0].register_forward_hook(hook)
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
     x = torch.randn(4, 8)

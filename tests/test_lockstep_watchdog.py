@@ -33,33 +33,17 @@ TIMEOUT_S = 60
 GROUP_TIMEOUT_S = 1.0
 
 
-class Peers:
-    """The fake collective's peers, gone once the test says so. A peer dying is no Python state of the step:
-    the flag lives in an ``array`` (a buffer no guard compares; an attribute or a global dict its op reads
-    would be Python state, compared per call since issue 49)."""
-
-    __slots__ = ("_lost",)
-
-    def __init__(self) -> None:
-        self._lost = array.array("b", [0])
-
-    @property
-    def lost(self) -> bool:
-        return bool(self._lost[0])
-
-    @lost.setter
-    def lost(self, value: bool) -> None:
-        self._lost[0] = int(value)
-
-
-PEERS = Peers()
+# Whether the fake collective's peers are gone (the test sets it). A peer dying is no Python state of the
+# step: the flag is an ``array``'s item (a buffer no guard compares; an attribute or a global dict its op
+# reads would be Python state, compared per call since issue 49).
+PEER_LOST = array.array("b", [0])
 
 
 @torch.library.custom_op("graphrt_test::device_all_reduce", mutates_args=("hidden",))
 def device_all_reduce(hidden: torch.Tensor) -> None:
     """A collective on the device (NCCL's all-reduce over one rank: the values stay). Over the fake torch.cuda,
     once its peers are gone, the kernel launched by a replay never completes: the stream stalls."""
-    if PEERS.lost:
+    if PEER_LOST[0]:
         from fake_cuda import FakeCuda
 
         FakeCuda.installed.current_stream().stall("an all-reduce waiting for a peer that died")
@@ -98,7 +82,7 @@ def fake_cuda_worker(rank: int) -> dict:
                          process_group=group, progress=False)
     runner.capture()
     healthy = runner(decode_batch(3, seed=1)).clone()
-    PEERS.lost = True
+    PEER_LOST[0] = 1
     start, outcome = time.monotonic(), {}
     try:
         out = runner(decode_batch(3, seed=2))
