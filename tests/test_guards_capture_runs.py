@@ -116,7 +116,8 @@ def dict_counter():
     def reset():
         COUNTS.update(rows=0, calls=0)
 
-    return (DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", line_of(DictCounter.forward, 'COUNTS["rows"] +='),
+    line = line_of(DictCounter.forward, 'COUNTS["rows"] +=')
+    return (DictCounter(), lambda: dict(COUNTS), reset, "COUNTS['rows']", line,
             lambda calls: {"rows": 4 * calls, "calls": calls})
 
 

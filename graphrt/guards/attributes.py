@@ -68,3 +68,11 @@ def attributes(value: Any) -> Mapping:
     if slot_names(type(value)):
         return SlotAttributes(value)
     return getattr(value, "__dict__", {})
+
+
+def entry_of(container: Any, key: Any, missing: Any) -> Any:
+    """What ``container`` holds at ``key``: a list's item, a mapping's entry (a dict, an object's
+    ``attributes``), else ``missing``."""
+    if isinstance(container, list):
+        return container[key] if key < len(container) else missing
+    return container.get(key, missing)

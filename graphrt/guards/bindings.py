@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 import torch
 
 from graphrt.backends.state_journal import backing_tensor
-from graphrt.guards.attributes import attributes, has_attributes
+from graphrt.guards.attributes import attributes, entry_of, has_attributes
 from graphrt.guards.epoch import Change, watch, watch_class
 from graphrt.guards.live_checks import Same
 from graphrt.guards.staged_tensors import TensorStaging
@@ -147,10 +147,7 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def _bound(link: Link) -> Any:
-    container = link.container
-    if isinstance(container, list):
-        return container[link.key] if link.key < len(container) else _MISSING
-    return container.get(link.key, _MISSING)  # a dict, or an object's attributes
+    return entry_of(link.container, link.key, _MISSING)
 
 
 def _opaque(value: Any) -> bool:

@@ -73,7 +73,7 @@ def is_plain_object(value: Any) -> bool:
     each replay), a user's subclass of one included (it keeps graphrt's protocol: the runner writes its
     per-step metadata)."""
     if not has_attributes(value) or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.FunctionType,
-                                                            types.MethodType, types.ModuleType, functools.partial)):
+                                                       types.MethodType, types.ModuleType, functools.partial)):
         return False
     return not any(klass.__module__.split(".")[0] == "graphrt" for klass in type(value).__mro__)
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from graphrt.guards.attributes import attributes, has_attributes
+from graphrt.guards.attributes import attributes, entry_of, has_attributes
 from graphrt.guards.class_state import class_dict
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
 from graphrt.layout.rebind_guard import differs, entries_changed
@@ -138,7 +138,7 @@ class StepWrites:
                 self.written.add((id(holder), None))
             keys = range(len(saved)) if isinstance(current, list) else saved
             for key in keys:
-                then, now = _entry(saved, key), _entry(current, key)
+                then, now = entry_of(saved, key, _MISSING), entry_of(current, key, _MISSING)
                 if differs(now, then):
                     where = f"{path}[{key!r}]" if kind == "container" else f"{path}.{key}"
                     changes.append((where, path.rsplit(".", 1)[-1] if kind == "container" else key, then, now))
@@ -201,12 +201,6 @@ def _writes(instruction: dis.Instruction, name: str) -> bool:
 def _mutates(instruction: dis.Instruction) -> bool:
     return instruction.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or (
         instruction.opname in ("LOAD_METHOD", "LOAD_ATTR") and instruction.argval in MUTATORS)
-
-
-def _entry(mapping: Any, key: Any) -> Any:
-    if isinstance(mapping, list):
-        return mapping[key] if key < len(mapping) else _MISSING
-    return mapping.get(key, _MISSING)  # a dict, or an object's attributes
 
 
 def _shown(value: Any) -> str:
