@@ -17,6 +17,7 @@ from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_
 from torch import nn
 
 from graphrt import wrap
+from graphrt.guards.class_state import ClassDict
 
 
 def test_a_class_attribute_read_through_self_is_guarded():
@@ -69,6 +70,59 @@ def test_a_forward_patched_on_the_class_after_capture_runs():
         runs = fast.stats()["graph_runs"]
         assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1  # the first graphs again
     assert "Norm.forward" in failures(fast)
+
+
+class ChildNorm(Norm):
+    """A subclass that defines no ``forward``: its lookup finds ``Norm``'s."""
+
+
+def test_a_forward_assigned_on_a_subclass_shadowing_its_bases_is_guarded_and_deleting_it_replays_again():
+    """The lookup ``ChildNorm.forward`` walks ``ChildNorm``'s dict before ``Norm``'s: an assignment there
+    shadows the base's, a change although the dict that defines the name is untouched."""
+    model = nn.Sequential(nn.Linear(8, 8), ChildNorm())
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        ChildNorm.forward = fused_norm
+        try:
+            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+        finally:
+            del ChildNorm.forward
+        runs = fast.stats()["graph_runs"]
+        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1
+    assert "ChildNorm.forward is now ChildNorm's" in failures(fast)
+
+
+def test_an_equal_value_assigned_again_or_a_name_the_step_does_not_read_keeps_replaying(monkeypatch):
+    """Only what the step's lookups find is compared: a class attribute assigned an equal value (another
+    float object) and a new attribute of the class are no change, and every call still replays. The equal
+    value is read again once, on the next call, and compared by identity from then on."""
+    reads = []
+    change = ClassDict.change
+    monkeypatch.setattr(ClassDict, "change", lambda self: reads.append(self) or change(self))
+
+    class Scaled(nn.Module):
+        scale = 0.5
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x) * self.scale
+
+    model = Scaled()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        runs = fast.stats()["graph_runs"]
+        Scaled.scale = float("0.5")
+        Scaled.unread = 3
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert fast.stats()["graph_runs"] == runs + 3 and not failures(fast)
+    assert len(reads) == 1
 
 
 def test_a_staticmethod_swapped_on_the_class_is_guarded():

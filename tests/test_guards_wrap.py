@@ -132,9 +132,12 @@ def test_overlapping_views_of_one_base_run_eagerly():
     assert fast.stats()["eager_reasons"].get("aliased_inputs") == 2
 
 
-def test_an_argument_that_is_state_the_step_writes_runs_eagerly():
+@pytest.mark.parametrize("argument", [lambda total: total, lambda total: total[:, 1:], torch.Tensor.detach],
+                         ids=["the buffer", "a view at an offset", "a detached alias"])
+def test_an_argument_that_is_state_the_step_writes_runs_eagerly(argument):
     """A module buffer passed in as an argument while the step writes the buffer: eager sees the
-    write through the argument, a static slot would not."""
+    write through the argument, a static slot would not. So for a view of it at an offset, and for
+    ``detach()``, which shares the memory but is no view."""
 
     class Counter(nn.Module):
         def __init__(self):
@@ -148,9 +151,19 @@ def test_an_argument_that_is_state_the_step_writes_runs_eagerly():
     model, reference = Counter(), Counter()
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
     for _ in range(3):
-        assert torch.equal(fast(model.total), reference(reference.total))
+        assert torch.equal(fast(argument(model.total)), reference(argument(reference.total)))
     assert fast.stats()["eager_reasons"].get("aliased_inputs") == 2
     assert torch.equal(model.total, reference.total)
+
+
+def test_torch_keeps_one_storage_object_per_storage_while_it_lives():
+    """What the per-call aliasing check stands on (graphrt.guards.key_guard.held_storages): the state's
+    storage objects held, any tensor over the same storage (a view, a detached alias, a reshape) gives
+    that very object, and a tensor of its own another."""
+    state = torch.zeros(4, 6)
+    held = state.untyped_storage()
+    assert all(alias.untyped_storage() is held for alias in (state[1:, 2:], state.detach(), state.view(-1), state.t()))
+    assert torch.zeros(4, 6).untyped_storage() is not held and state.clone().untyped_storage() is not held
 
 
 class Memo:

@@ -13,9 +13,9 @@ wrapped object. Checked on every call that would replay the key, in this order:
    a tensor the step only reads, rebound to one of its kind, is staged into the captured one instead
    (graphrt.guards.staged_tensors: one copy per call while it is);
 3. the few values no API tells of (graphrt.guards.live_checks): the globals and closure cells the
-   step's own code reads, the lists and dicts it reached tensors or modules through; and the dicts it
-   reads in place by version (graphrt.guards.in_place): the class dicts of the lookups through classes
-   it made (graphrt.guards.class_state);
+   step's own code reads, the lists and dicts it reached tensors or modules through; the lookups through
+   classes it made (graphrt.guards.class_state: one identity compare per name); and the containers it
+   reads in place (graphrt.guards.in_place);
 4. aliasing, only for a step that writes memory: no staged argument shares memory with another
    when the step writes one of its inputs, nor with state the step reads or writes (a replay
    reads each argument from its own static slot, where eager would see the write through the alias).
@@ -37,7 +37,7 @@ from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
 from graphrt.guards.attributes import has_attributes
 from graphrt.guards.bindings import Bindings, find_bindings
-from graphrt.guards.class_state import class_reads, step_lookups
+from graphrt.guards.class_state import ClassLookups, class_reads, step_lookups
 from graphrt.guards.context_reads import ContextVariables, Environment, ThreadLocal
 from graphrt.guards.epoch import EPOCH, changes_since, position, watch_class
 from graphrt.guards.global_state import StateWatch
@@ -108,6 +108,7 @@ class KeyGuard:
     python: PythonState
     live: Tuple[Any, ...]  # compared on every call: Same, Versioned, ContextVariables, ThreadLocal
     touched: FrozenSet[int]  # addresses of the state an argument must not share memory with
+    storages: Optional[FrozenSet[Any]]  # their storage objects, where the bindings hold them all (held_storages)
     check_aliases: bool  # the step writes state or its inputs: staged tensors are checked for aliases
     check_pairs: bool  # the step writes its inputs: no two staged tensors may share memory
     epoch: int  # the state epoch the Python state was last seen unchanged at
@@ -156,24 +157,26 @@ class KeyGuard:
                              [*objects, *entry, *values],
                              {id(obj): names - _written_names(obj, step_wrote) for _, obj in reads.objects})
         compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
-        # read in place, compared per call: the class dicts of the step's lookups, the containers it read,
-        # and the attributes of objects whose class cannot tell of an assignment (a C type)
+        # read in place, compared per call: the step's lookups through classes (one generated function), the
+        # containers it read, and the attributes of objects whose class cannot tell of an assignment (a C type)
         lookups = [(cls, name) for cls, name in step_lookups(observation)
                    if not any((id(klass), name) in step_wrote for klass in cls.__mro__)]
-        in_place = Versioned([*class_reads(lookups),
-                              *(Contents(container, path) for path, container in reads.containers
+        classes = ClassLookups(class_reads(lookups))
+        in_place = Versioned([*(Contents(container, path) for path, container in reads.containers
                                 if id(container) not in compared and (id(container), None) not in step_wrote),
                               *(Contents(vars(obj), name, _written_names(obj, step_wrote)) for name, obj in read_objects
                                 if not watch_class(type(obj)) and hasattr(obj, "__dict__")),
                               *([Environment(observation.environment)] if observation.environment else [])])
         context = ContextVariables(observation.context_variables)
         live = (*global_checks(observation.globals_read()), *(Same.cells(function) for function in functions),
-                *bindings.live, *([in_place] if in_place else []), *([context] if context else []),
+                *bindings.live, *([classes] if classes else []), *([in_place] if in_place else []),
+                *([context] if context else []),
                 *(ThreadLocal(local, path) for path, local in reads.thread_locals))
         watch_adapter_layers(modules, observation.ran)
         written_state = written - own
         state_memory = frozenset(bindings.memory | written_state)
         return cls(spec.watch, spec.watch.token(), bindings, python, live, state_memory,
+                   held_storages(bindings.tensors, state_memory),
                    bool(written_state) or writes_inputs, writes_inputs, seen_epoch, seen_position,
                    TensorStaging(touched - own, written_state))
 
@@ -184,6 +187,7 @@ class KeyGuard:
         tensor whose memory was swapped. A closure over the key's constants: the per-call path loads no
         attribute but the epoch seen last."""
         captured, holds_all, touched, staging = self.state, self._holds, self.touched, self.staging
+        storages, storage_of = self.storages, torch.Tensor.untyped_storage
         check_aliases, check_pairs, guard = self.check_aliases, self.check_pairs, self
 
         def failure(state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
@@ -208,7 +212,12 @@ class KeyGuard:
             if check_aliases:
                 tensors = sources(call)
                 shares = check_pairs
-                if not shares:  # whether a staged tensor's memory is state the step reads or writes
+                if storages is not None and not shares:  # whether a staged tensor's memory is the state's
+                    for tensor in tensors:
+                        if tensor is not None and storage_of(tensor) in storages:
+                            shares = True
+                            break
+                elif not shares:
                     for tensor in tensors:
                         if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
                             shares = True
@@ -269,6 +278,16 @@ class KeyGuard:
                 f"{path}: its memory was swapped since capture (e.g. `.data = other`); a CUDA graph reads the "
                 "captured memory, so replays would compute with the old values. Update weights in place "
                 "(`copy_`, `load_state_dict`), or call recapture() after swapping them")
+
+
+def held_storages(tensors: Sequence[torch.Tensor], memory: AbstractSet[int]) -> Optional[FrozenSet[Any]]:
+    """The storage objects of ``tensors`` when they cover every address of ``memory``, else None. Torch
+    keeps one Python object per storage while it lives, so a staged tensor shares memory with these
+    tensors exactly when its ``untyped_storage()`` is one of them: one C call per staged tensor, where
+    the address takes two (the per-call aliasing check). The bindings hold the tensors, so the objects
+    live as long as the key."""
+    storages = {backing_tensor(tensor).untyped_storage() for tensor in tensors}
+    return frozenset(storages) if memory <= {storage.data_ptr() for storage in storages} else None
 
 
 def _written_names(obj: Any, written: AbstractSet[Tuple[int, Any]]) -> FrozenSet[str]:
