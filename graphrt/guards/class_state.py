@@ -39,7 +39,7 @@ def class_dict(cls: type) -> dict:
 
 
 class ClassDict:
-    """A class's dict, and the lookups through it the step made: read again when its version moved."""
+    """A class's dict, and the lookups through it the step made (``change``: what they find now, in words)."""
 
     __slots__ = ("mapping", "lookups")
 

@@ -1,15 +1,15 @@
 """Containers a step reads in place, compared per call in one C-level pass each way, whatever they hold.
 
-Python has no hook on a dict's or a list's writes (a class's ``__dict__`` written by ``Cls.attr = value``,
-``model.sampling_cfg["temperature"] = 0.5``, ``tables["cos"] = new``, an entry of a global list).
+Python has no hook on a dict's or a list's writes (``model.sampling_cfg["temperature"] = 0.5``,
+``tables["cos"] = new``, an entry of a global list; a class's ``__dict__`` is graphrt.guards.class_state's).
 ``Versioned`` compares the containers a step reads per call: a small one of values whose ``==`` means
-"the same" (functions, classes, numbers, strings: a model class's own dict, a config dict) against a
+"the same" (functions, classes, numbers, strings: a config dict, an object's attributes) against a
 copy, all of them in one tuple compare; a dict of other values (tensors) by its version tag (PEP 509:
 every write gives the dict a new one; torch.compile's ``DICT_VERSION`` guard reads it through
 ``torch._C._dynamo.guards.dict_version``), all of them in one pass; a list or set of other values by
 the identity of its items. A container found changed is read again (``Watched.change``), and its copy
-or version renewed when what the step reads of it is as at capture (a write elsewhere in a class's
-dict, a value assigned again).
+or version renewed when what the step reads of it is as at capture (a key the step skips written, a
+value assigned again).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _is = operator.is_
 class Watched(Protocol):
     """One container the step reads in place, and what it read of it."""
 
-    mapping: Any  # a dict (a class's own), a list or a set
+    mapping: Any  # a dict, a list or a set
 
     def change(self) -> Optional[Change]:
         """``(reason, words)`` when what the step read of ``mapping`` differs from capture, else None."""
