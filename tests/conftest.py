@@ -32,8 +32,10 @@ BACKENDS = [
 class Faults:
     """Fault injection for a test model: flipping a fault is no change of the model's state. A plain
     attribute its forward reads would be one, and so is an attribute of any object the step reads (issue 49:
-    the guards would run the steps after it eagerly, slots included); the faults live in an ``array`` the
-    properties read, whose items no guard compares (a buffer, not a container of Python values)."""
+    the guards would run the steps after it eagerly, slots included); the faults live in an ``array`` that
+    this object holds and only its own properties index. The guards compare the items of a buffer the step's
+    code reads (a global, a closure cell, a module attribute, ``self.faults.table``), not those of a
+    container a read object's own methods read (docs/RELIABILITY.md)."""
 
     __slots__ = ("_state",)
     _NONE = -1

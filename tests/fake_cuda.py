@@ -352,6 +352,13 @@ class FakeCuda:
         self.pools_begun: List[PoolId] = []  # the pool of every capture_begin that got that far
         self.aborts: List[str] = []  # destructors that would have aborted the process
         self.device_capability = (9, 0)  # a Hopper, as the GPU machines' H100 and H200
+        self.peers_lost = False  # a collective's peers are gone (a test sets it): its kernels never complete
+
+    def collective(self, what: str) -> None:
+        """A collective's kernel launched on the current stream: it completes, or, once ``peers_lost``, never
+        does (device and network state, which no Python state of the step holds)."""
+        if self.peers_lost:
+            self.current_stream().stall(what)
 
     # ---- torch.cuda -----------------------------------------------------------------------------
 

@@ -11,10 +11,12 @@ the key's guard reads.
 
 from __future__ import annotations
 
+import array
 import inspect
 import itertools
 import logging
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -71,6 +73,20 @@ class DictCounter(nn.Module):
         return self.proj(x) * (1 + 0.01 * COUNTS["calls"])
 
 
+class BufferCounter(nn.Module):
+    """Counts into a buffer of numbers (a numpy array, an ``array.array``) it holds."""
+
+    def __init__(self, counts):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.counts = counts
+
+    def forward(self, x):
+        self.counts[0] += x.shape[0]
+        self.counts[1] += 1
+        return self.proj(x) * (1 + 0.01 * float(self.counts[1]))
+
+
 def eager_then_graphrt(model, state, reset):
     """``CALLS`` eager calls, then as many through wrap() from the same starting state: the outputs of
     both and what ``state()`` read after the graphrt series."""
@@ -121,7 +137,27 @@ def dict_counter():
             lambda calls: {"rows": 4 * calls, "calls": calls})
 
 
-@pytest.mark.parametrize("case", [class_counter, helper_counter, slotted_helper_counter, dict_counter],
+def buffer_counter(counts):
+    model = BufferCounter(counts)
+
+    def reset():
+        model.counts[0] = model.counts[1] = 0
+
+    line = line_of(BufferCounter.forward, "self.counts[0] +=")
+    return (model, lambda: [int(count) for count in model.counts], reset, "BufferCounter.counts", line,
+            lambda calls: [4 * calls, calls])
+
+
+def numpy_counter():
+    return buffer_counter(numpy.zeros(2))
+
+
+def array_counter():
+    return buffer_counter(array.array("q", [0, 0]))
+
+
+@pytest.mark.parametrize("case", [class_counter, helper_counter, slotted_helper_counter, dict_counter, numpy_counter,
+                                  array_counter],
                          ids=lambda case: case.__name__)
 def test_python_state_the_step_writes_is_put_back_after_captures_runs_and_frozen_in_replays(case, caplog):
     model, state, reset, path, line, after = case()

@@ -10,10 +10,12 @@ attribute. torch.compile guards each source it read; a change after capture must
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import functools
 
+import numpy
 import pytest
 import torch
 from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_step, failures
@@ -132,6 +134,60 @@ def test_a_closure_list_changed_in_place_is_read():
         scales[0] = 2.0
         assert all(torch.equal(fast(x), step(x)) for _ in range(3))
     assert "python_state:" in failures(fast)
+
+
+BUFFERS = {"numpy": lambda: numpy.array([1.0, 0.5]), "array": lambda: array.array("d", [1.0, 0.5]),
+           "bytearray": lambda: bytearray([1, 5])}
+TABLE = numpy.array([1.0, 0.5])
+
+
+def scaled_by_table(x):
+    return x * float(TABLE[0])
+
+
+class BufferScaled(nn.Module):
+    """Scales by the first item of a buffer of numbers it holds (a table of constants)."""
+
+    def __init__(self, scales):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scales = scales
+
+    def forward(self, x):
+        return self.linear(x) * float(self.scales[0])
+
+
+def buffer_in_a_closure(scales):
+    def step(x):
+        return x * float(scales[0])
+
+    return step
+
+
+@pytest.mark.parametrize("holder,kind", [pytest.param(holder, kind, id=f"{holder}-{kind}") for holder, kind in
+                                         [*((holder, kind) for holder in ("attribute", "closure") for kind in BUFFERS),
+                                          ("global", "numpy")]])
+def test_an_item_of_a_buffer_of_numbers_changed_in_place_is_read(holder, kind):
+    """A numpy array, an ``array.array`` or a ``bytearray`` the step reads items of: its numbers live in
+    memory, not in Python objects, and ``scales[0] = 2`` writes them in place. Eager reads the new item; a
+    graph replays the one of the capture unless the buffer's bytes are compared. An equal item written
+    again is no change."""
+    scales = TABLE if holder == "global" else BUFFERS[kind]()
+    step = {"attribute": lambda: BufferScaled(scales), "closure": lambda: buffer_in_a_closure(scales),
+            "global": lambda: scaled_by_table}[holder]()
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        runs = fast.stats()["graph_runs"]
+        scales[1] = scales[1]
+        assert torch.equal(fast(x), step(x)) and fast.stats()["graph_runs"] == runs + 1
+        scales[0] = 2
+        try:
+            assert all(torch.equal(fast(x), step(x)) for _ in range(3))
+        finally:
+            scales[0] = 1
+    assert "python_state:" in failures(fast) and "[0] 1" in failures(fast)
 
 
 CONFIG = {"scale": 1.0}

@@ -11,7 +11,6 @@ collective fails at the peer's death or at the group's timeout, and that becomes
 
 from __future__ import annotations
 
-import array
 
 import datetime
 import os
@@ -33,20 +32,15 @@ TIMEOUT_S = 60
 GROUP_TIMEOUT_S = 1.0
 
 
-# Whether the fake collective's peers are gone (the test sets it). A peer dying is no Python state of the
-# step: the flag is an ``array``'s item (a buffer no guard compares; an attribute or a global dict its op
-# reads would be Python state, compared per call since issue 49).
-PEER_LOST = array.array("b", [0])
-
-
 @torch.library.custom_op("graphrt_test::device_all_reduce", mutates_args=("hidden",))
 def device_all_reduce(hidden: torch.Tensor) -> None:
     """A collective on the device (NCCL's all-reduce over one rank: the values stay). Over the fake torch.cuda,
-    once its peers are gone, the kernel launched by a replay never completes: the stream stalls."""
-    if PEER_LOST[0]:
-        from fake_cuda import FakeCuda
+    once its peers are gone (the fake device's ``peers_lost``), the kernel launched by a replay never completes:
+    the stream stalls."""
+    from fake_cuda import FakeCuda
 
-        FakeCuda.installed.current_stream().stall("an all-reduce waiting for a peer that died")
+    if FakeCuda.installed is not None:
+        FakeCuda.installed.collective("an all-reduce waiting for a peer that died")
 
 
 class CollectiveModel(torch.nn.Module):
@@ -73,7 +67,7 @@ def fake_cuda_worker(rank: int) -> dict:
     """One rank in lockstep on the fake torch.cuda (torch 2.11's rules), its model group timing out after
     ``GROUP_TIMEOUT_S``: a replay whose collective never completes, then the host's read of its output."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fake_cuda import TORCH_2_11, FakeHang, install
+    from fake_cuda import TORCH_2_11, FakeCuda, FakeHang, install
 
     installed = install(pytest.MonkeyPatch(), TORCH_2_11)  # held to the end: its block keeps the recording mode
     installed.__enter__()
@@ -82,7 +76,7 @@ def fake_cuda_worker(rank: int) -> dict:
                          process_group=group, progress=False)
     runner.capture()
     healthy = runner(decode_batch(3, seed=1)).clone()
-    PEER_LOST[0] = 1
+    FakeCuda.installed.peers_lost = True
     start, outcome = time.monotonic(), {}
     try:
         out = runner(decode_batch(3, seed=2))

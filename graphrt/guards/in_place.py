@@ -7,13 +7,15 @@ Python has no hook on a dict's or a list's writes (``model.sampling_cfg["tempera
 copy, all of them in one tuple compare; a dict of other values (tensors) by its version tag (PEP 509:
 every write gives the dict a new one; torch.compile's ``DICT_VERSION`` guard reads it through
 ``torch._C._dynamo.guards.dict_version``), all of them in one pass; a list or set of other values by
-the identity of its items. A container found changed is read again (``Watched.change``), and its copy
+the identity of its items; a buffer (a numpy array, an ``array.array``, a ``bytearray``: its items are
+numbers in memory, not Python objects) by its bytes, read once per call. A container found changed is read again (``Watched.change``), and its copy
 or version renewed when what the step reads of it is as at capture (a key the step skips written, a
 value assigned again).
 """
 
 from __future__ import annotations
 
+import array
 import copy
 import operator
 from typing import AbstractSet, Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
@@ -22,7 +24,14 @@ import torch
 
 from graphrt.guards.python_state import frozen, is_reference, shown
 
+try:
+    import numpy
+except ImportError:  # torch runs without numpy
+    numpy = None
+
 Change = Tuple[str, str]  # (reason, what changed in words)
+# containers of numbers in memory, written in place by item or slice (``table[0] = 2.0``)
+BUFFERS: Tuple[type, ...] = (array.array, bytearray, *((numpy.ndarray,) if numpy is not None else ()))
 _guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
 dict_version: Optional[Callable[[dict], int]] = getattr(_guards, "dict_version", None)
 _is = operator.is_
@@ -65,7 +74,14 @@ class Contents:
 
 def _items(container: Collection[Any], keep: List[Any],
            skip: AbstractSet[Any] = frozenset()) -> Tuple[Tuple[Any, Any], ...]:
-    """``(key, frozen value)`` of a dict's items (but ``skip``'s), a list's positions, a set's members."""
+    """``(key, frozen value)`` of a dict's items (but ``skip``'s), a list's positions, a set's members, a
+    buffer's items (a numpy array's flat, after its shape and dtype)."""
+    if isinstance(container, BUFFERS):
+        if isinstance(container, bytearray):
+            return tuple(enumerate(container))
+        if isinstance(container, array.array):
+            return tuple(enumerate(container.tolist()))
+        return (("shape", container.shape), ("dtype", container.dtype.str), *enumerate(container.ravel().tolist()))
     if isinstance(container, dict):
         return tuple((key, frozen(value, keep)) for key, value in container.items() if key not in skip)
     if isinstance(container, list):
@@ -77,14 +93,17 @@ class Versioned:
     """The containers of ``entries``, compared per call (``check``), read again where one changed."""
 
     __slots__ = ("entries", "copied", "copied_dicts", "copies", "versioned", "versioned_dicts", "versions",
-                 "by_identity", "members")
+                 "by_identity", "members", "buffers", "snapshots")
 
     def __init__(self, entries: Sequence[Watched]) -> None:
         self.entries = list(entries)
-        self.copied = [entry for entry in self.entries if _by_value(entry.mapping)]
+        self.buffers = [entry for entry in self.entries if isinstance(entry.mapping, BUFFERS)]
+        self.snapshots = [snapshot(entry.mapping) for entry in self.buffers]
+        self.copied = [entry for entry in self.entries if entry not in self.buffers and _by_value(entry.mapping)]
         self.versioned = [entry for entry in self.entries if dict_version is not None and entry not in self.copied
                           and type(entry.mapping) is dict]
-        self.by_identity = [entry for entry in self.entries if entry not in self.copied and entry not in self.versioned]
+        self.by_identity = [entry for entry in self.entries
+                            if entry not in self.copied and entry not in self.versioned and entry not in self.buffers]
         self.copied_dicts = [entry.mapping for entry in self.copied]
         self.copies = [copy.copy(mapping) for mapping in self.copied_dicts]  # renewed in place: check() holds it
         self.versioned_dicts = [entry.mapping for entry in self.versioned]
@@ -98,7 +117,7 @@ class Versioned:
         """``(containers, copies)`` when the per-call check is ``containers == copies`` (none compared by
         version or identity): a guard compares it with its other such checks in one tuple compare. False
         may be a write that changed nothing the step reads: ``holds()`` tells, renewing the copies."""
-        return None if self.versioned or self.by_identity else (self.copied_dicts, self.copies)
+        return None if self.versioned or self.by_identity or self.buffers else (self.copied_dicts, self.copies)
 
     def check(self) -> Callable[[], bool]:
         return self.holds
@@ -110,10 +129,14 @@ class Versioned:
             same = False
         if not same and not self._renew(self.copied):
             return False
-        if self.versioned and list(map(dict_version, self.versioned_dicts)) != self.versions:
-            return self._renew(self.versioned)
-        if self.by_identity and list(map(_members, (entry.mapping for entry in self.by_identity))) != self.members:
-            return self._renew(self.by_identity)
+        if self.versioned and list(map(dict_version, self.versioned_dicts)) != self.versions and (
+                not self._renew(self.versioned)):
+            return False
+        if self.by_identity and list(map(_members, (entry.mapping for entry in self.by_identity))) != self.members and (
+                not self._renew(self.by_identity)):
+            return False
+        if self.buffers and [snapshot(entry.mapping) for entry in self.buffers] != self.snapshots:
+            return self._renew(self.buffers)
         return True
 
     def _renew(self, entries: Sequence[Watched]) -> bool:
@@ -124,6 +147,7 @@ class Versioned:
         self.copies[:] = [copy.copy(mapping) for mapping in self.copied_dicts]
         self.versions = list(map(dict_version, self.versioned_dicts)) if self.versioned else []
         self.members = [_members(entry.mapping) for entry in self.by_identity]
+        self.snapshots = [snapshot(entry.mapping) for entry in self.buffers]
         return True
 
     def change(self) -> Change:
@@ -154,6 +178,27 @@ def _members(container: Collection[Any]) -> Tuple[Any, ...]:
     values = container.values() if isinstance(container, dict) else container
     keys = tuple(container) if isinstance(container, dict) else ()
     return keys, tuple(map(_Identity, values))
+
+
+def snapshot(buffer: Any) -> Any:
+    """A buffer's contents as bytes (with a numpy array's dtype and shape, an array's typecode): equal exactly
+    when every item is."""
+    if isinstance(buffer, bytearray):
+        return bytes(buffer)
+    if isinstance(buffer, array.array):
+        return buffer.typecode, buffer.tobytes()
+    return buffer.dtype.str, buffer.shape, buffer.tobytes()
+
+
+def put_back_buffer(buffer: Any, saved: Any) -> None:
+    """Write ``saved`` (a copy of ``buffer`` taken before) back into ``buffer``, in place: whoever holds the
+    buffer sees its items as they were."""
+    if isinstance(buffer, (array.array, bytearray)):
+        buffer[:] = saved
+    else:
+        if buffer.shape != saved.shape:
+            buffer.shape = saved.shape
+        buffer[...] = saved
 
 
 MAX_COPIED = 32  # a container of more items is compared by version or identity

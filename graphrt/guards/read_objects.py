@@ -23,11 +23,12 @@ import torch
 
 from graphrt.guards.adapters import is_adapter_layer
 from graphrt.guards.attributes import attributes, has_attributes
+from graphrt.guards.in_place import BUFFERS
 from graphrt.guards.observe import Observation
 from graphrt.guards.python_state import MODULE_INTERNALS
 from graphrt.guards.reads import global_attributes, only_appended, self_attributes, self_chains
 
-CONTAINERS = (dict, list, set)
+CONTAINERS = (dict, list, set, *BUFFERS)
 MAX_DEPTH = 2  # objects followed below an object argument or a read object
 
 
@@ -36,7 +37,7 @@ class Reads:
     """What a step reads besides its modules' own state, each with its path in words."""
 
     objects: List[Tuple[str, Any]] = field(default_factory=list)  # plain objects
-    containers: List[Tuple[str, Any]] = field(default_factory=list)  # dicts, lists, sets read in place
+    containers: List[Tuple[str, Any]] = field(default_factory=list)  # dicts, lists, sets, buffers read in place
     submodules: List[torch.nn.Module] = field(default_factory=list)  # read without being called
     thread_locals: List[Tuple[str, threading.local]] = field(default_factory=list)  # read as this thread sees them
     _seen: Set[int] = field(default_factory=set)

@@ -4,7 +4,7 @@ Capture runs the step several times besides the call it serves (warm-up, recordi
 padding check); a replay runs none of its Python (the graph contract: Python state the step writes is
 frozen). A step that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
 (``self.stats.calls += 1``) or a container (a dict it counts into, at module level, in a closure, a module's
-dict attribute) would leave that state advanced by capture's runs. ``with StepWrites(roots, fn): step()``
+dict attribute; a numpy array or ``array.array`` it writes items of) would leave that state advanced by capture's runs. ``with StepWrites(roots, fn): step()``
 saves that state before the run (the classes, helper objects and containers of the model's own code, reached
 from the step's roots, the modules' defining files and the wrapped callable's globals and closure) and puts
 back what the run changed, logging the first write and its line once per key; what it added (a memo's key,
@@ -15,6 +15,7 @@ torch's classes and globals are left out, as the guards leave them (frozen at ca
 
 from __future__ import annotations
 
+import copy
 import dis
 import logging
 import sys
@@ -25,6 +26,7 @@ import torch
 
 from graphrt.guards.attributes import attributes, entry_of, has_attributes
 from graphrt.guards.class_state import class_dict
+from graphrt.guards.in_place import BUFFERS, put_back_buffer, snapshot
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
 from graphrt.layout.rebind_guard import differs, entries_changed
 
@@ -85,21 +87,23 @@ class StepWrites:
                 scopes.setdefault(id(vars(sys.modules[cls.__module__])), vars(sys.modules[cls.__module__]))
         for scope in scopes.values():
             for name, value in list(scope.items()):
-                if isinstance(value, CONTAINERS) and not name.startswith("__"):
+                if isinstance(value, (*CONTAINERS, *BUFFERS)) and not name.startswith("__"):
                     self._held(name, value, classes)
 
     def _held(self, path: str, value: Any, classes: Dict[type, None]) -> None:
         """A value a module, a closure or a global holds: a container, or a helper object (and its containers)."""
         if id(value) in self._seen:
             return
-        if isinstance(value, CONTAINERS):
+        if isinstance(value, BUFFERS):
+            self._save(path, "buffer", value, copy.copy(value))
+        elif isinstance(value, CONTAINERS):
             self._save(path, "container", value, value.copy())
         elif _plain_object(value) and _user_module(type(value).__module__):
             self._save(path, "object", value, dict(attributes(value)))
             classes.update(dict.fromkeys(type(value).__mro__))
             for name, held in attributes(value).items():
-                if isinstance(held, CONTAINERS) and id(held) not in self._seen:
-                    self._save(f"{path}.{name}", "container", held, held.copy())
+                if isinstance(held, (*CONTAINERS, *BUFFERS)) and id(held) not in self._seen:
+                    self._held(f"{path}.{name}", held, classes)
 
     def _save(self, path: str, kind: str, holder: Any, copy: Any) -> None:
         if len(self._saved) < MAX_SAVED:
@@ -124,6 +128,11 @@ class StepWrites:
         included, goes into ``written`` (the step's own state: the per-call compare leaves it out)."""
         changes: List[Tuple[str, Any, Any, Any]] = []
         for path, kind, holder, saved in self._saved:
+            if kind == "buffer":
+                if snapshot(holder) != snapshot(saved):
+                    self.written.add((id(holder), None))
+                    changes.append((path, path.rsplit(".", 1)[-1], saved, holder))
+                continue
             current = self._current(kind, holder)
             if kind == "container":
                 if isinstance(holder, set):
@@ -157,6 +166,10 @@ class StepWrites:
         member, a list's new items, an attribute) is kept: lazy initialisation, as eager's first call at that
         size makes it (a per-shape memo), or a log the step appends to."""
         for _, kind, holder, saved in reversed(self._saved):
+            if kind == "buffer":
+                if snapshot(holder) != snapshot(saved):
+                    put_back_buffer(holder, saved)
+                continue
             if kind == "container":
                 if isinstance(holder, set):
                     holder.update(saved)
