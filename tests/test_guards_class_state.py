@@ -20,7 +20,9 @@ from graphrt import wrap
 from graphrt.guards.class_state import ClassDict
 
 
-def test_a_class_attribute_read_through_self_is_guarded():
+def attention_class():
+    """A new attention class with a class-level softmax scale (each test changes its own)."""
+
     class Attention(nn.Module):
         softmax_scale = 1.0
 
@@ -31,6 +33,11 @@ def test_a_class_attribute_read_through_self_is_guarded():
         def forward(self, x):
             return torch.softmax(self.proj(x) * self.softmax_scale, -1)
 
+    return Attention
+
+
+def test_a_class_attribute_read_through_self_is_guarded():
+    Attention = attention_class()
     model = Attention()
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
     x = torch.randn(4, 8)
@@ -55,43 +62,32 @@ def fused_norm(self, x):
     return 2 * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-def test_a_forward_patched_on_the_class_after_capture_runs():
-    model = nn.Sequential(nn.Linear(8, 8), Norm())
-    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
-    x = torch.randn(4, 8)
-    original = Norm.forward
-    with torch.no_grad():
-        calls(fast, x)
-        Norm.forward = fused_norm
-        try:
-            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
-        finally:
-            Norm.forward = original
-        runs = fast.stats()["graph_runs"]
-        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1  # the first graphs again
-    assert "Norm.forward" in failures(fast)
-
-
 class ChildNorm(Norm):
     """A subclass that defines no ``forward``: its lookup finds ``Norm``'s."""
 
 
-def test_a_forward_assigned_on_a_subclass_shadowing_its_bases_is_guarded_and_deleting_it_replays_again():
-    """The lookup ``ChildNorm.forward`` walks ``ChildNorm``'s dict before ``Norm``'s: an assignment there
-    shadows the base's, a change although the dict that defines the name is untouched."""
-    model = nn.Sequential(nn.Linear(8, 8), ChildNorm())
+@pytest.mark.parametrize("norm_class", [Norm, ChildNorm], ids=["on its class", "on a subclass shadowing its base"])
+def test_a_forward_patched_after_capture_runs_and_undone_replays_the_first_graphs(norm_class):
+    """Kernel libraries patch ``Norm.forward``; on a subclass that defines none (``ChildNorm``), the lookup
+    walks its dict before ``Norm``'s: an assignment there shadows the base's, a change although the dict that
+    defines the name is untouched, and deleting it undoes it."""
+    model = nn.Sequential(nn.Linear(8, 8), norm_class())
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
     x = torch.randn(4, 8)
+    own = vars(norm_class).get("forward")
     with torch.no_grad():
         calls(fast, x)
-        ChildNorm.forward = fused_norm
+        norm_class.forward = fused_norm
         try:
             assert all(torch.equal(fast(x), model(x)) for _ in range(3))
         finally:
-            del ChildNorm.forward
+            if own is None:
+                del norm_class.forward
+            else:
+                norm_class.forward = own
         runs = fast.stats()["graph_runs"]
-        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1
-    assert "ChildNorm.forward is now ChildNorm's" in failures(fast)
+        assert torch.equal(fast(x), model(x)) and fast.stats()["graph_runs"] == runs + 1  # the first graphs again
+    assert f"{norm_class.__name__}.forward" in failures(fast)
 
 
 def test_an_equal_value_assigned_again_or_a_name_the_step_does_not_read_keeps_replaying(monkeypatch):
@@ -102,24 +98,15 @@ def test_an_equal_value_assigned_again_or_a_name_the_step_does_not_read_keeps_re
     change = ClassDict.change
     monkeypatch.setattr(ClassDict, "change", lambda self: reads.append(self) or change(self))
 
-    class Scaled(nn.Module):
-        scale = 0.5
-
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.proj(x) * self.scale
-
-    model = Scaled()
+    Attention = attention_class()
+    model = Attention()
     fast = wrap(model, max_batch_size=4, capture_sizes=[4])
     x = torch.randn(4, 8)
     with torch.no_grad():
         calls(fast, x)
         runs = fast.stats()["graph_runs"]
-        Scaled.scale = float("0.5")
-        Scaled.unread = 3
+        Attention.softmax_scale = float("1.0")
+        Attention.unread = 3
         assert all(torch.equal(fast(x), model(x)) for _ in range(3))
     assert fast.stats()["graph_runs"] == runs + 3 and not failures(fast)
     assert len(reads) == 1
