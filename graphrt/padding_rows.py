@@ -20,6 +20,11 @@ costs one run of the step, at the real size:
 * where they left the random generators (wrap(): ``draws``): a step that draws for every row (dropout,
   sampling) moves a generator as for the padded rows, so a padded key's replays would depart from
   eager's sequence after its first call; such a layout records each call size exactly instead.
+* what they returned (wrap(): ``outputs``): the real rows of each output the front cuts (the one dim that
+  grew from the real to the padded size) must agree within rounding; a step that mixes rows (``x -
+  x.mean(0)``, a softmax over the batch, experts whose capacity the padding rows take) returns other
+  values for the real rows when padded, which neither state nor verification (padded against padded)
+  shows; such a layout records each call size exactly too.
 
 Both runs see the same values in the real rows, so a difference is the padding rows' doing. The
 step is also run with ``ArgumentTaint``, which says which arguments' values the offending write
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,6 +52,7 @@ from graphrt.backends.state_journal import (
 from graphrt.capture import WHOLE_SAVE_BUDGET
 from graphrt.verify import rounding_tolerance
 from graphrt.guards import observed_run
+from graphrt.layout.tensor_tree import flatten
 
 _aten = torch.ops.aten
 Storage = Tuple[torch.device, int]
@@ -92,8 +98,34 @@ class PaddingDraw:
                 "depart from eager's")
 
 
-def fix_for(write: "PaddingWrite | PaddingDraw") -> str:
+@dataclass(frozen=True)
+class PaddingOutput:
+    """The padded step's real rows of an output differ from what the real-size step returns: the step mixes
+    rows, so a padded replay would return other values than eager for the caller's rows."""
+
+    output: str  # which: "output leaf 0"
+    elements: int  # of the real rows, those that differ by more than rounding
+    real: int
+    padded: int
+    op: str = "outputs"
+    source: Optional[SourceLine] = None
+    written: Optional[torch.Tensor] = None
+
+    def describe(self) -> str:
+        rows = f"{self.real} row{'' if self.real == 1 else 's'}"
+        return (f"padded from {self.real} to {self.padded} rows, {self.elements} elements of the real rows of "
+                f"{self.output} differ from what the step returns for {rows}: the step mixes rows (a reduction over "
+                "the batch such as x - x.mean(0), a softmax over it, experts whose capacity the padding rows take), "
+                "so a padded replay would return other values than eager's")
+
+
+Finding = Union[PaddingWrite, PaddingDraw, PaddingOutput]
+
+
+def fix_for(write: Finding) -> str:
     """The remedy that works for the op that wrote: a pad value its writes skip or land harmlessly at."""
+    if isinstance(write, PaddingOutput):
+        return "each call size gets a graph of its own, whose rows are all the caller's"
     if isinstance(write, PaddingDraw):
         return "each call size gets a graph of its own, which moves the generator as eager's step does"
     if not write.arguments:
@@ -195,27 +227,28 @@ def _differs(padded: torch.Tensor, real: torch.Tensor) -> int:
 
 def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], Any], real: int, padded: int,
                        exempt: Set[Storage], arguments: Mapping[Storage, str],
-                       draws: bool = False) -> "Optional[PaddingWrite | PaddingDraw]":
+                       draws: bool = False, outputs: bool = False) -> Optional[Finding]:
     """The first write of ``padded_step`` into state (memory outside ``exempt``) that ``real_step``,
     the same step on the first ``real`` of its ``padded`` rows, does not make, or None. Both run
     eagerly under one journal; every write and random draw is undone. ``arguments`` names the
     storages of the step's argument slots (to say which argument a write was computed from). A write
     that cannot be narrowed to rows into a tensor too large to copy raises CaptureMemoryError, as
     capture does. ``draws``: else, a generator the padded step leaves elsewhere than the real step
-    (``PaddingDraw``), a state too."""
+    (``PaddingDraw``), a state too; ``outputs``: else, an output whose real rows the padded step returns
+    otherwise (``PaddingOutput``)."""
     journal = StateJournal(budget=WHOLE_SAVE_BUDGET)
     taint = ArgumentTaint(arguments)
     with torch.no_grad(), eager_stance():  # a compiled step called under a dispatch mode would stay uncompiled
         try:
             with journal:
-                real_step()
+                real_returned = _owned_leaves(real_step())
             real_regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
             real_values = [region.current() for region in real_regions]
             real_generators = journal.generators.current()
             journal.put_back()
             first = len(journal.regions)
             with journal, taint:
-                padded_step()
+                padded_returned = _owned_leaves(padded_step())
             moved = _moved_apart(journal.generators.current(), real_generators) if draws else None
             padded_regions = [region for region in journal.regions[first:]
                               if storage_key(region.target) not in exempt]
@@ -225,7 +258,9 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
         finally:
             journal.restore()
     if found is None:
-        return None if moved is None else PaddingDraw(moved, real, padded)
+        if moved is not None:
+            return PaddingDraw(moved, real, padded)
+        return _output_leak(real_returned, padded_returned, real, padded) if outputs else None
     region, elements = found
     index_arguments, value_arguments = _arguments_of(taint, region)
     named = tuple(sorted(index_arguments)) + tuple(sorted(value_arguments - index_arguments))
@@ -245,6 +280,37 @@ def _moved_apart(padded: Mapping[int, Tuple[torch.Generator, torch.Tensor]],
             device = generator.device
             default = device.type == "cuda" and generator is torch.cuda.default_generators[device.index or 0]
             return f"{device}'s default generator" if default else f"a {device} generator the step draws from"
+    return None
+
+
+def _owned_leaves(returned: Any) -> List[Any]:
+    """The leaves of what a step returned, tensors cloned (the journal puts back memory they may view)."""
+    leaves: List[Any] = []
+    flatten(returned, leaves)
+    return [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+
+def real_part(real: torch.Tensor, padded: torch.Tensor, rows: Mapping[int, int]) -> Optional[torch.Tensor]:
+    """``padded`` cut to ``real``'s rows when exactly one dimension grew, by the padding (``rows``: padded
+    size -> real size); None otherwise (an output a front cannot cut: its padded calls run eagerly)."""
+    if real.dim() != padded.dim():
+        return None
+    grown = [dim for dim in range(real.dim()) if real.shape[dim] != padded.shape[dim]]
+    if len(grown) != 1 or rows.get(padded.shape[grown[0]]) != real.shape[grown[0]]:
+        return None
+    return padded.narrow(grown[0], 0, real.shape[grown[0]])
+
+
+def _output_leak(real_returned: List[Any], padded_returned: List[Any], real: int, padded: int
+                 ) -> Optional[PaddingOutput]:
+    """The first output tensor whose real rows the padded step returned otherwise than the real step did."""
+    for index, (want, got) in enumerate(zip(real_returned, padded_returned)):
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            continue
+        part = real_part(want, got, {padded: real})
+        count = 0 if part is None else _differs(part, want)
+        if count:
+            return PaddingOutput(f"output leaf {index}", count, real, padded)
     return None
 
 
@@ -306,8 +372,7 @@ def padding_refusal(fn: Callable[..., Any], signature: Any, real: int, padded: i
 
 
 def signature_padding_write(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
-                            roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]
-                            ) -> "Optional[PaddingWrite | PaddingDraw]":
+                            roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]) -> Optional[Finding]:
     """For wrap(), the slots staged with the call's first ``real`` rows (pad values above them): compare
     ``fn`` on ``real`` rows of the slots with ``padded_step``, the step on all ``padded`` rows
     (``find_padding_write``); the slots and ``scratch`` are not state. The real-size run puts back the
@@ -319,7 +384,8 @@ def signature_padding_write(fn: Callable[..., Any], signature: Any, real: int, p
         return observed_run(lambda: fn(*call.args, **call.kwargs), roots, fn)[0]
 
     slots = signature.slot_paths()
-    return find_padding_write(real_step, padded_step, real, padded, set(slots) | scratch, slots, draws=True)
+    return find_padding_write(real_step, padded_step, real, padded, set(slots) | scratch, slots, draws=True,
+                              outputs=True)
 
 
 # ---- what wrap()'s padding rows hold: pad_values=, by argument path ------------------------------------
@@ -360,5 +426,5 @@ def checked_pad_values(pad_values: Optional[Mapping[str, float]], fn: Callable[.
     return dict(pad_values)
 
 
-__all__ = ["ArgumentTaint", "PaddingDraw", "PaddingWrite", "checked_pad_values", "find_padding_write", "fix_for", "padding_refusal",
-           "positional_names", "signature_padding_write"]
+__all__ = ["ArgumentTaint", "PaddingDraw", "PaddingOutput", "PaddingWrite", "checked_pad_values", "find_padding_write",
+           "fix_for", "padding_refusal", "positional_names", "real_part", "signature_padding_write"]

@@ -136,6 +136,43 @@ def test_state_reduced_over_the_padded_batch_is_found():
     assert "aten.copy_" in next(iter(fast.stats()["exact_sizes"].values()))
 
 
+def centered(x):
+    return x - x.mean(dim=0)  # every row's result depends on every other row
+
+
+def batch_softmax(x):
+    return torch.softmax(x, dim=0)
+
+
+@pytest.mark.parametrize("step", [centered, batch_softmax], ids=lambda step: step.__name__)
+def test_outputs_whose_real_rows_the_padding_rows_change_are_found(step, caplog):
+    """A step that mixes rows writes no state, and verification compares the padded replay with eager on the
+    same padded rows: before, calls of 3 rows padded to 4 replayed other values than eager's, silently. The
+    real rows' outputs at both sizes are compared too: the layout records each call size exactly, said once,
+    and every call gives eager's result (torch.compile's dynamic shapes would recompile, not pad)."""
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="graphrt"):
+        for call in range(5):
+            x = torch.randn(3, 5, generator=torch.Generator().manual_seed(call))
+            torch.testing.assert_close(fast(x), step(x))
+    (why,) = fast.stats()["exact_sizes"].values()
+    assert "output leaf 0 differ" in why and "mixes rows" in why
+    assert sum("mixes rows" in record.getMessage() for record in caplog.records) == 1
+    assert fast.stats()["key_hits"] == {"call/bs=3": 4} and fast.stats()["padded_tokens"] == 0  # calls 2 to 5
+
+
+def test_outputs_of_independent_rows_still_pad_within_rounding():
+    """A linear layer's rows are independent (its GEMM may round otherwise at another batch size): padded
+    calls replay the padded key, no exact sizes."""
+    linear = torch.nn.Linear(5, 7)
+    fast = wrap(linear, max_batch_size=4, capture_sizes=[4])
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randn(3, 5, generator=torch.Generator().manual_seed(call))
+            torch.testing.assert_close(fast(x), linear(x))
+    assert fast.stats()["exact_sizes"] == {} and fast.stats()["key_hits"] == {"call/bs=4": 3}
+
+
 def test_a_call_at_a_capture_size_checks_the_sizes_that_will_pad_to_it():
     """Recorded on a call of exactly 4 rows, key 4 still serves calls of 3: checked on 3 rows first."""
     cache = torch.zeros(16, 4)

@@ -19,6 +19,7 @@ from graphrt.check.dataflow import op_name
 from graphrt.check.names import ObjectGraph
 from graphrt.check.recording import Recording, source_text, tensor_leaves
 from graphrt.check.report import Finding
+from graphrt.padding_rows import real_part
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 _TOLERANCE = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2)}  # (rtol, atol); float32/64: 1e-4, 1e-5
@@ -110,27 +111,17 @@ def _close(real: torch.Tensor, padded: torch.Tensor) -> bool:
     return bool(torch.isclose(real, padded, rtol=rtol, atol=atol, equal_nan=True).all())
 
 
-def _real_part(real: torch.Tensor, padded: torch.Tensor, rows: Dict[int, int]) -> Optional[torch.Tensor]:
-    """``padded`` cut to ``real``'s rows when exactly one dimension grew, by the padding; None otherwise."""
-    if real.dim() != padded.dim():
-        return None
-    grown = [dim for dim in range(real.dim()) if real.shape[dim] != padded.shape[dim]]
-    if len(grown) != 1 or rows.get(padded.shape[grown[0]]) != real.shape[grown[0]]:
-        return None
-    return padded.narrow(grown[0], 0, real.shape[grown[0]])
-
-
 def padding_leak(real: Recording, padded: Recording, rows: Dict[int, int]) -> List[Finding]:
     """Padded outputs that graphs cannot cut (padded calls run eagerly), or else the first op whose
     real rows differ between the unpadded and the padded run. ``rows`` maps padded to real sizes."""
     outputs = list(zip(tensor_leaves(real.output), tensor_leaves(padded.output)))
-    uncut = [index for index, (want, got) in enumerate(outputs) if _real_part(want, got, rows) is None]
+    uncut = [index for index, (want, got) in enumerate(outputs) if real_part(want, got, rows) is None]
     if uncut:
         message = (f"output {uncut[0]} has no dimension that grows with the batch (shapes "
                    f"{list(outputs[uncut[0]][0].shape)} unpadded, {list(outputs[uncut[0]][1].shape)} padded), so "
                    "padded calls run eagerly; only calls at a captured size replay")
         return [Finding("unsliceable_output", message, None, None, _producer_line(padded, outputs[uncut[0]][1]))]
-    if all(_close(want, _real_part(want, got, rows)) for want, got in outputs):
+    if all(_close(want, real_part(want, got, rows)) for want, got in outputs):
         return []
     op = _first_leaking_op(real.ops, padded.ops, rows)
     message = ("padding the batch changes the outputs of the real rows"
@@ -151,7 +142,7 @@ def _first_leaking_op(real: Sequence[RecordedOp], padded: Sequence[RecordedOp], 
         if op_base_name(want_op.func) in _UNINITIALIZED:
             continue
         for want, got in zip(tensor_leaves(want_op.output), tensor_leaves(got_op.output)):
-            part = got if want.shape == got.shape else _real_part(want, got, rows)
+            part = got if want.shape == got.shape else real_part(want, got, rows)
             if part is not None and not _close(want, part):
                 return got_op
     return None
