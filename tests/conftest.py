@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import os
 import sys
 from contextlib import contextmanager
@@ -30,37 +29,57 @@ BACKENDS = [
 
 
 class Faults:
-    """Fault injection for a test model: flipping a fault is no change of the model's state. A plain
-    attribute its forward reads would be one, and so is an attribute of any object the step reads (issue 49:
-    the guards would run the steps after it eagerly, slots included); the faults live in an ``array`` that
-    this object holds and only its own properties index. The guards compare the items of a buffer the step's
-    code reads (a global, a closure cell, a module attribute, ``self.faults.table``), not those of a
-    container a read object's own methods read (docs/RELIABILITY.md)."""
+    """Fault injection for a test model: its forward calls ``point(rows)``, a device-side assertion
+    (``torch._assert_async``, as a CUDA kernel's) on the switches, a tensor: at the batch sizes marked
+    ``failing``, or on every call while ``always``. Flipping a fault writes that tensor, no Python state of
+    the step (a Python attribute or container its forward reads would be state, which the guards compare:
+    the calls after a flip would run eagerly); a replay reads the switches as eager does."""
 
-    __slots__ = ("_state",)
-    _NONE = -1
+    __slots__ = ("failing", "always")
 
-    def __init__(self, capture_at=None):
-        self._state = array.array("q", [self._NONE, 0])
-        self.capture_at = capture_at  # the batch size whose steps raise
-        self.now = False  # every step raises
+    def __init__(self, capture_at=None, max_rows=64):
+        self.failing = torch.zeros(max_rows + 1, dtype=torch.bool)  # per batch size: its steps fail
+        self.always = torch.zeros((), dtype=torch.bool)
+        self.capture_at = capture_at
+
+    def point(self, rows: int) -> None:
+        torch._assert_async(~(self.failing[rows] | self.always), "simulated failure")
 
     @property
     def capture_at(self):
-        value = self._state[0]
-        return None if value == self._NONE else value
+        marked = self.failing.nonzero().flatten().tolist()
+        return marked[0] if marked else None
 
     @capture_at.setter
-    def capture_at(self, value):
-        self._state[0] = self._NONE if value is None else value
+    def capture_at(self, rows):
+        self.failing.zero_()
+        if rows is not None:
+            self.failing[rows] = True
 
     @property
     def now(self):
-        return bool(self._state[1])
+        return bool(self.always)
 
     @now.setter
     def now(self, value):
-        self._state[1] = int(value)
+        self.always.fill_(bool(value))
+
+
+@contextmanager
+def failing_capture(runner, num_reqs, error):
+    """The capture of ``runner``'s key of ``num_reqs`` requests raises ``error`` from its step (an out-of-memory,
+    an interrupt: the runtime's doing, not the model's), until the block ends."""
+    entry = next(entry for key, entry in runner.registry.entries.items() if key.num_reqs == num_reqs)
+    step = entry.step
+
+    def failing():
+        raise error
+
+    entry.step = failing
+    try:
+        yield entry
+    finally:
+        entry.step = step
 
 
 @contextmanager

@@ -190,6 +190,49 @@ def test_an_item_of_a_buffer_of_numbers_changed_in_place_is_read(holder, kind):
     assert "python_state:" in failures(fast) and "[0] 1" in failures(fast)
 
 
+class IndexedOptions:
+    """A settings object whose own methods index its containers: the step reads ``self.options.scale``."""
+
+    def __init__(self):
+        self.values = [1.0]
+        self.named = {"shift": 0.0}
+
+    @property
+    def scale(self):
+        return self.values[0]
+
+    def shift(self):
+        return self.named["shift"]
+
+
+class OptionsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.options = IndexedOptions()
+
+    def forward(self, x):
+        return self.linear(x) * self.options.scale + self.options.shift()
+
+
+@pytest.mark.parametrize("change", ["values", "named"], ids=["a list a property indexes",
+                                                            "a dict a method indexes"])
+def test_a_container_an_objects_own_methods_index_is_read(change):
+    """The step reads ``self.options.scale``, whose getter returns ``self.values[0]``: the container is the
+    object's, indexed by its own code on a line that ran. Changed in place after capture, eager's result."""
+    model = OptionsModel()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        if change == "values":
+            model.options.values[0] = 2.0
+        else:
+            model.options.named["shift"] = 0.5
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert f"OptionsModel.options.{change}[" in failures(fast)
+
+
 CONFIG = {"scale": 1.0}
 
 

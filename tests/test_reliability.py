@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 import torch
-from conftest import BACKENDS, Faults, decode_batch
+from conftest import BACKENDS, decode_batch, failing_capture
 
 from graphrt import GraphRunner
 from graphrt.debug import StaleOutputError
@@ -32,24 +32,13 @@ class GemmModel(torch.nn.Module):
 # ---- injected faults ------------------------------------------------------------------------
 
 
-class FaultyModel(GemmModel):
-    def __init__(self, fault_at=None, fault=None):
-        super().__init__()
-        self.faults, self.fault = Faults(fault_at), fault
-
-    def forward(self, input_ids, positions, forward_batch):
-        if input_ids.shape[0] == self.faults.capture_at:
-            raise self.fault
-        return super().forward(input_ids, positions, forward_batch)
-
-
 def test_simulated_out_of_memory_during_capture_disables_only_that_key():
-    model = FaultyModel(fault_at=8, fault=torch.OutOfMemoryError("CUDA out of memory (simulated)"))
+    model = GemmModel()
     runner = GraphRunner(model, max_batch_size=MAX_BS, backend="emulated", progress=False)
-    report = runner.capture()
+    with failing_capture(runner, 8, torch.OutOfMemoryError("CUDA out of memory (simulated)")):
+        report = runner.capture()
     assert list(report.failed) == [key for key in report.failed if key.num_reqs == 8] and len(report.failed) == 1
     assert "OutOfMemoryError" in next(iter(report.failed.values()))
-    model.faults.capture_at = None
     batch = decode_batch(7, seed=1)
     torch.testing.assert_close(runner(batch), model(batch.input_ids, batch.positions, batch))
     assert runner.stats()["eager_reasons"] == {"capture_failed": 1}
@@ -58,14 +47,13 @@ def test_simulated_out_of_memory_during_capture_disables_only_that_key():
 
 
 def test_keyboard_interrupt_during_capture_keeps_captured_keys_and_runner_usable():
-    model = FaultyModel(fault_at=4, fault=KeyboardInterrupt())
+    model = GemmModel()
     runner = GraphRunner(model, max_batch_size=MAX_BS, backend="emulated", progress=False)
-    with pytest.raises(KeyboardInterrupt):
+    with failing_capture(runner, 4, KeyboardInterrupt()), pytest.raises(KeyboardInterrupt):
         runner.capture()
     statuses = {key.num_reqs: entry.status for key, entry in runner.registry.entries.items()}
     assert statuses == {16: GraphStatus.READY, 8: GraphStatus.READY, 4: GraphStatus.PENDING,
                         2: GraphStatus.PENDING, 1: GraphStatus.PENDING}
-    model.faults.capture_at = None
     for batch_size in (3, 12):
         batch = decode_batch(batch_size, seed=batch_size)
         torch.testing.assert_close(runner(batch), model(batch.input_ids, batch.positions, batch))

@@ -68,6 +68,8 @@ class Observation:
     compiled_calls: List[Tuple[Any, Any]] = field(default_factory=list)
     # per module class, the methods that ran on a module of it (what they read through self: graphrt.guards.reads)
     self_codes: Dict[type, Set[types.CodeType]] = field(default_factory=dict)
+    # per class of any other object, the methods of the model's own code that ran on one (a config's property)
+    object_codes: Dict[type, Set[types.CodeType]] = field(default_factory=dict)
     # the lines that ran, per method and per function of user code (None: not traced, under a debugger's tracer)
     lines: Optional[Dict[types.CodeType, Set[int]]] = None
     # the context variables the model's own code read (ContextVar.get) and the environment variables read
@@ -151,6 +153,7 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
     seen: Set[int] = set()
     modules, codes, all_codes, self_codes = (observation.modules, observation.codes, observation.ran_codes,
                                              observation.self_codes)
+    object_codes = observation.object_codes
     context_variables, environment = observation.context_variables, observation.environment
     compile_wrappers, compiled_calls = compile_wrapper_codes(), observation.compiled_calls
 
@@ -175,6 +178,8 @@ def observe(step: Callable[[], Any]) -> Tuple[Any, Observation]:
                         modules.append(module)
                 elif code is _ENVIRON_GETITEM and _read_by_user_code(frame):  # os.environ[...], .get, os.getenv
                     environment.add(frame.f_locals.get("key"))
+                elif code in codes:  # a method of the model's own code on another object (a config's property)
+                    object_codes.setdefault(type(module), set()).add(code)
         elif event == "c_call":
             target = getattr(arg, "__self__", None)
             if type(target) is contextvars.ContextVar and arg.__name__ == "get" and is_user_file(

@@ -124,6 +124,8 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
         reads.add(f"{_name(partial)}.keywords", partial.keywords)
         for index, argument in enumerate(partial.args):
             reads.add(f"{_name(partial)}.args[{index}]", argument)
+    for path, obj in list(reads.objects):  # a container an object's own methods index (``self.values[0]``)
+        _object_reads(path, obj, observation, reads)
     for module in observation.modules:
         for table in (module._forward_pre_hooks, module._forward_hooks):
             for hook in table.values():
@@ -157,6 +159,16 @@ def _module_reads(module: torch.nn.Module, observation: Observation, reads: Read
         held = attributes(obj).get(attribute) if is_plain_object(obj) else None
         if isinstance(held, CONTAINERS):
             reads.add(f"{owner}.{name}.{attribute}", held)
+
+
+def _object_reads(path: str, obj: Any, observation: Observation, reads: Reads) -> None:
+    """The containers ``obj`` holds that its class's methods of the model's own code loaded through ``self``
+    on the lines that ran (a property returning ``self.values[0]``): read in place."""
+    held = attributes(obj)
+    for code in observation.object_codes.get(type(obj), ()):
+        for name in self_attributes(code, observation.lines_of(code)):
+            if isinstance(held.get(name), CONTAINERS):
+                reads.add(f"{path}.{name}", held[name])
 
 
 def _global_log(observation: Observation, scope: Dict[str, Any], name: str) -> bool:
