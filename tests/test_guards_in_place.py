@@ -233,6 +233,47 @@ def test_a_container_an_objects_own_methods_index_is_read(change):
     assert f"OptionsModel.options.{change}[" in failures(fast)
 
 
+class ComprehensionModel(nn.Module):
+    """Reads a dict attribute, a class attribute and a plain object's container inside code nested in
+    ``forward`` (a comprehension, a lambda): code objects of their own, which close over ``self``."""
+
+    softcap = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scales = {"a": 1.0}
+        self.options = IndexedOptions()
+
+    def forward(self, x):
+        scaled = sum([self.linear(x) * self.scales[key] for key in ("a",)])
+        capped = (lambda: scaled * self.softcap)()
+        return capped * max(self.options.values[index] for index in range(1))
+
+
+@pytest.mark.parametrize("change", ["dict", "class", "object"])
+def test_what_a_comprehension_or_lambda_in_forward_reads_through_self_is_read(change):
+    """Before, the loads through ``self`` in nested code were not seen: changing any of these replayed the
+    old value, silently."""
+    model = ComprehensionModel()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        if change == "dict":
+            model.scales["a"] = 2.0
+        elif change == "class":
+            ComprehensionModel.softcap = 0.5
+        else:
+            model.options.values[0] = 3.0
+        try:
+            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+        finally:
+            ComprehensionModel.softcap = 1.0
+    assert {"dict": "ComprehensionModel.scales['a']", "class": "ComprehensionModel.softcap 1.0 -> 0.5",
+            "object": "ComprehensionModel.options.values[0]"}[change] in failures(fast)
+
+
 CONFIG = {"scale": 1.0}
 
 

@@ -2,15 +2,14 @@
 
 Python has no hook on a dict's or a list's writes (``model.sampling_cfg["temperature"] = 0.5``,
 ``tables["cos"] = new``, an entry of a global list; a class's ``__dict__`` is graphrt.guards.class_state's).
-``Versioned`` compares the containers a step reads per call: a small one of values whose ``==`` means
-"the same" (functions, classes, numbers, strings: a config dict, an object's attributes) against a
-copy, all of them in one tuple compare; a dict of other values (tensors) by its version tag (PEP 509:
-every write gives the dict a new one; torch.compile's ``DICT_VERSION`` guard reads it through
-``torch._C._dynamo.guards.dict_version``), all of them in one pass; a list or set of other values by
-the identity of its items; a buffer (a numpy array, an ``array.array``, a ``bytearray``: its items are
-numbers in memory, not Python objects) by its bytes, read once per call. A container found changed is read again (``Watched.change``), and its copy
-or version renewed when what the step reads of it is as at capture (a key the step skips written, a
-value assigned again).
+``Versioned`` compares the containers a step reads per call: a small one of values whose ``==`` means "the same"
+(functions, classes, numbers, strings: a config dict, an object's attributes) against a copy, all of them in one
+tuple compare; a dict of other values (tensors) by its version tag (PEP 509: every write gives the dict a new
+one; torch.compile's ``DICT_VERSION`` guard reads it through ``torch._C._dynamo.guards.dict_version``), all of
+them in one pass; a list or set of other values by the identity of its items; a buffer (a numpy array, an
+``array.array``, a ``bytearray``: its items are numbers in memory, not Python objects) by its bytes, read once
+per call. A container found changed is read again (``Watched.change``), and its copy or version renewed when
+what the step reads of it is as at capture (a key the step skips written, a value assigned again).
 """
 
 from __future__ import annotations

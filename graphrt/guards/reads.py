@@ -22,18 +22,21 @@ _TRANSPARENT = frozenset({"CACHE", "PRECALL", "NOP", "EXTENDED_ARG", "PUSH_NULL"
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _LOCAL_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 Pair = Tuple[Optional[int], str, str]  # (line, owner, name): GLOBAL.name, self.owner.name
-_scans: Dict[types.CodeType, Tuple[List[Tuple[Optional[int], str]], List[Pair], List[Pair]]] = {}
+Scan = Tuple[List[Tuple[Optional[int], str]], List[Pair], List[Pair]]  # through self, through globals, chains
+_scans: Dict[Tuple[types.CodeType, Optional[str]], Scan] = {}
 
 
 def self_attributes(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[str]:
     """The attribute names ``code`` (a method: its first argument is the object) loads from its first
-    argument, from ``self.__class__`` and from ``type(self)``; ``lines``: only on those (the lines that ran)."""
-    return {name for line, name in _scan(code)[0] if lines is None or line in lines}
+    argument, from ``self.__class__`` and from ``type(self)``, and so does the code nested in it that closes
+    over that argument (a comprehension, a lambda: every line); ``lines``: only on those (the lines that ran)."""
+    return {name for line, name in _scan(code)[0] if lines is None or line is None or line in lines}
 
 
 def self_chains(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[Tuple[str, str]]:
-    """``(name, attribute)`` for every ``self.name.attribute`` load in ``code`` (``self.config.softcap``)."""
-    return {(owner, name) for line, owner, name in _scan(code)[2] if lines is None or line in lines}
+    """``(name, attribute)`` for every ``self.name.attribute`` load in ``code`` (``self.config.softcap``) and in
+    the code nested in it that closes over ``self``."""
+    return {(owner, name) for line, owner, name in _scan(code)[2] if lines is None or line is None or line in lines}
 
 
 def global_attributes(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> Set[Tuple[str, str]]:
@@ -91,11 +94,13 @@ def _loads_first_argument(instruction: dis.Instruction, first: Optional[str]) ->
     return value == first or isinstance(value, tuple) and value[-1] == first  # LOAD_FAST_LOAD_FAST (3.13)
 
 
-def _scan(code: types.CodeType) -> Tuple[List[Tuple[Optional[int], str]], List[Pair], List[Pair]]:
-    scanned = _scans.get(code)
+def _scan(code: types.CodeType, outer_self: Optional[str] = None) -> Scan:
+    """``code``'s loads through its first argument (or, for code nested in a method, through the method's
+    first argument it closes over: ``outer_self``), through globals, and ``self.name.attribute`` chains."""
+    scanned = _scans.get((code, outer_self))
     if scanned is not None:
         return scanned
-    first = code.co_varnames[0] if code.co_argcount else None
+    first = outer_self if outer_self is not None else code.co_varnames[0] if code.co_argcount else None
     through_self: List[Tuple[Optional[int], str]] = []
     through_globals: List[Pair] = []
     chains: List[Pair] = []
@@ -132,7 +137,13 @@ def _scan(code: types.CodeType) -> Tuple[List[Tuple[Optional[int], str]], List[P
             next_state = "class"
         state = next_state
     for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):  # comprehensions and nested functions: their global loads
-            through_globals += [(None, outer, name) for _, outer, name in _scan(constant)[1]]
-    scanned = _scans[code] = (through_self, through_globals, chains)
+        if isinstance(constant, types.CodeType):  # comprehensions and nested functions: their global loads, and
+            # their loads through the method's first argument when they close over it ([self.scale * h for h in hs])
+            closes = first if first is not None and first in constant.co_freevars else None
+            nested_self, nested_globals, nested_chains = _scan(constant, closes)
+            through_globals += [(None, outer, name) for _, outer, name in nested_globals]
+            if closes is not None:
+                through_self += [(None, name) for _, name in nested_self]
+                chains += [(None, owner, name) for _, owner, name in nested_chains]
+    scanned = _scans[(code, outer_self)] = (through_self, through_globals, chains)
     return scanned

@@ -1,16 +1,17 @@
 """StepWrites: Python state outside the modules' own attributes that a run of the step for capture writes.
 
-Capture runs the step several times besides the call it serves (warm-up, recording, verification, the
-padding check); a replay runs none of its Python (the graph contract: Python state the step writes is
-frozen). A step that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
+Capture runs the step several times besides the call it serves (warm-up, recording, verification, the padding
+check); a replay runs none of its Python (the graph contract: Python state the step writes is frozen). A step
+that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
 (``self.stats.calls += 1``) or a container (a dict it counts into, at module level, in a closure, a module's
-dict attribute; a numpy array or ``array.array`` it writes items of) would leave that state advanced by capture's runs. ``with StepWrites(roots, fn): step()``
-saves that state before the run (the classes, helper objects and containers of the model's own code, reached
-from the step's roots, the modules' defining files and the wrapped callable's globals and closure) and puts
-back what the run changed, logging the first write and its line once per key; what it added (a memo's key,
-a log's new items) is kept. ``written`` names what the step wrote: the step's own state, which the key's
-per-call compare of what the step reads leaves out (graphrt.guards.key_guard). Installed libraries' and
-torch's classes and globals are left out, as the guards leave them (frozen at capture).
+dict attribute; a numpy array or ``array.array`` it writes items of) would leave that state advanced by
+capture's runs. ``with StepWrites(roots, fn): step()`` saves that state before the run (the classes, helper
+objects and containers of the model's own code, reached from the step's roots, the modules' defining files and
+the wrapped callable's globals and closure) and puts back what the run changed, logging the first write and its
+line once per key; what it added (a memo's key, a log's new items) is kept. ``written`` names what the step
+wrote: the step's own state, which the key's per-call compare of what the step reads leaves out
+(graphrt.guards.key_guard). Installed libraries' and torch's classes and globals are left out, as the guards
+leave them (frozen at capture).
 """
 
 from __future__ import annotations
