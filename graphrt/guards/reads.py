@@ -5,9 +5,10 @@ A replay runs none of the step's Python, so what a lookup found at capture is fr
 found on the class (``MyAttention.softmax_scale``), ``self.forward`` patched on the class, ``self.config``
 (an object changed in place), ``Settings.temperature`` (a class read as a global). The guards read the
 names from the code objects that ran (graphrt.guards.observe): ``self.name``, ``self.__class__.name`` and
-``type(self).name`` per method, ``self.name.attribute``, ``GLOBAL.name`` per function, as torch.compile builds a guard per
-attribute source it traced. A read the bytecode cannot name (``getattr(self, name)`` with a computed
-name) is not seen.
+``type(self).name`` per method, with the code nested in it that closes over ``self`` (a comprehension, a
+lambda: code objects of their own), ``self.name.attribute``, ``GLOBAL.name`` per function, as torch.compile
+builds a guard per attribute source it traced. A read the bytecode cannot name (``getattr(self, name)``
+with a computed name) is not seen.
 """
 
 from __future__ import annotations
