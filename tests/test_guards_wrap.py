@@ -311,3 +311,34 @@ def test_the_guards_counters_cost_torch_compile_no_recompile():
         for _ in range(4):
             assert torch.equal(compiled(x), forward(x))
     assert counter.frame_count == 1
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("write", [lambda model: object.__setattr__(model, "scale", 2.0),
+                                   lambda model: model.__dict__.__setitem__("scale", 2.0)],
+                         ids=["object.__setattr__", "__dict__"])
+def test_debug_mode_sees_an_attribute_written_past_module_setattr(write, caplog):
+    """The state epoch moves with the APIs able to change a module (``Module.__setattr__``); a write past
+    them (``object.__setattr__``, the module's ``__dict__``) tells nothing, and the per-call check stays one
+    integer compare. Debug mode reads the Python state whole on every call: eager's result, the write named
+    in a warning, once."""
+    model = Scaled()
+    fast = wrap(model, max_batch_size=2, capture_sizes=[2], debug=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="graphrt.guards.key_guard"):
+        calls(fast, x)
+        write(model)
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert "python_state: Scaled.scale 1.0 -> 2.0" in " | ".join(fast.stats()["guard_failures"])
+    assert [record.getMessage() for record in caplog.records].count(
+        "python_state: Scaled.scale 1.0 -> 2.0, and no API able to change it ran (a write past "
+        "Module.__setattr__: object.__setattr__, the module's __dict__); seen only because debug=True") == 1

@@ -27,6 +27,7 @@ call eagerly with that reason, or, for ``wrap()``, gives it graphs of its own.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -47,6 +48,8 @@ from graphrt.guards.observe import Observation, entry_functions, entry_roots, fu
 from graphrt.guards.python_state import PythonState
 from graphrt.guards.read_objects import step_reads
 from graphrt.guards.staged_tensors import TensorStaging
+
+logger = logging.getLogger(__name__)
 
 # The caller's tensors a call stages (None where an optional field is unset), read from the call.
 Sources = Callable[[Any], Sequence[Optional[torch.Tensor]]]
@@ -114,6 +117,7 @@ class KeyGuard:
     epoch: int  # the state epoch the Python state was last seen unchanged at
     position: int  # where the changes after that begin (graphrt.guards.epoch.changes_since)
     staging: TensorStaging  # tensors rebound where the step reads them, copied into the captured ones per call
+    unannounced: bool = False  # debug mode logged a change no API told of
 
     def __post_init__(self) -> None:
         # bound once: one call per check per call, and one tuple compare for all that compare two objects
@@ -181,16 +185,16 @@ class KeyGuard:
                    TensorStaging(touched - own, written_state))
 
     def _checker(self) -> Callable[..., Optional[GuardFailure]]:
-        """``failure(state, sources, call, check_storage=False)``: None when the key may serve ``call`` made
+        """``failure(state, sources, call, debug=False)``: None when the key may serve ``call`` made
         under ``state`` (a ``StateWatch`` token), whose staged tensors are ``sources(call)`` (read only when
-        the step writes memory); else why not. ``check_storage`` (debug mode): raise StaleStateError for a
-        tensor whose memory was swapped. A closure over the key's constants: the per-call path loads no
+        the step writes memory); else why not. ``debug`` (debug mode): raise StaleStateError for a tensor
+        whose memory was swapped, and read the Python state whole (``unannounced_change``). A closure over the key's constants: the per-call path loads no
         attribute but the epoch seen last."""
         captured, holds_all, touched, staging = self.state, self._holds, self.touched, self.staging
         storages, storage_of = self.storages, torch.Tensor.untyped_storage
         check_aliases, check_pairs, guard = self.check_aliases, self.check_pairs, self
 
-        def failure(state: Any, sources: Sources, call: Any, check_storage: bool = False) -> Optional[GuardFailure]:
+        def failure(state: Any, sources: Sources, call: Any, debug: bool = False) -> Optional[GuardFailure]:
             if state is not captured and state != captured:
                 return GuardFailure(*guard.watch.difference(captured, state))
             if EPOCH[0] != guard.epoch:
@@ -227,8 +231,11 @@ class KeyGuard:
                                               if tensor is not None])
                     if changed is not None:
                         return changed
-            if check_storage:
+            if debug:
                 guard.check_storage()
+                changed = guard.unannounced_change()
+                if changed is not None:
+                    return changed
             if staging.pairs:
                 staging.stage()
             return None
@@ -246,6 +253,19 @@ class KeyGuard:
             return GuardFailure(*change)
         self.epoch, self.position = now, end
         return None
+
+    def unannounced_change(self) -> Optional[GuardFailure]:
+        """Debug mode, every call: the Python state and bindings read whole, past the epoch, so that a write
+        no API tells of (``object.__setattr__(module, ...)``, a module's ``__dict__`` written directly) is seen;
+        logged once per key, as the same call without debug mode would replay the old state."""
+        change = self.bindings.rebound(None, self.staging) or self.python.change(None, self.staging)
+        if change is None:
+            return None
+        if not self.unannounced:
+            self.unannounced = True
+            logger.warning("%s: %s, and no API able to change it ran (a write past Module.__setattr__: "
+                           "object.__setattr__, the module's __dict__); seen only because debug=True", *change)
+        return GuardFailure(*change)
 
     def holds_now(self) -> bool:
         """Whether the Python state of now is this key's (its state read again, its live checks),
