@@ -22,6 +22,7 @@ from conftest import ToyPagedModel, calls, captured_runner, decode_batch, eager_
 from torch import nn
 
 from graphrt import wrap
+from graphrt.guards.in_place import MAX_BUFFER_BYTES, compared_buffer
 
 
 # ---- 3. tensors rebound inside containers --------------------------------------------------------
@@ -188,6 +189,16 @@ def test_an_item_of_a_buffer_of_numbers_changed_in_place_is_read(holder, kind):
         finally:
             scales[0] = 1
     assert "python_state:" in failures(fast) and "[0] 1" in failures(fast)
+
+
+def test_buffers_up_to_64_kib_are_compared_per_call_and_larger_tables_are_not():
+    """Comparing a buffer costs a pass over its bytes per call: up to ``MAX_BUFFER_BYTES`` (a few microseconds);
+    a larger one (a table of constants) would cost more than the step, and is not read (docs/MANUAL.md)."""
+    assert MAX_BUFFER_BYTES == 64 * 1024
+    assert compared_buffer(numpy.zeros(8192)) and not compared_buffer(numpy.zeros(8193))
+    assert compared_buffer(array.array("d", bytes(MAX_BUFFER_BYTES)))
+    assert not compared_buffer(bytearray(MAX_BUFFER_BYTES + 1))
+    assert not compared_buffer([1.0]) and not compared_buffer(torch.zeros(4))
 
 
 class IndexedOptions:

@@ -31,6 +31,23 @@ except ImportError:  # torch runs without numpy
 Change = Tuple[str, str]  # (reason, what changed in words)
 # containers of numbers in memory, written in place by item or slice (``table[0] = 2.0``)
 BUFFERS: Tuple[type, ...] = (array.array, bytearray, *((numpy.ndarray,) if numpy is not None else ()))
+# a buffer up to this size is compared per call (a few microseconds at most); a larger one (a table of
+# constants) is not read: comparing it would cost more than the step
+MAX_BUFFER_BYTES = 1 << 16
+
+
+def is_container(value: Any) -> bool:
+    """A dict, list or set, or a buffer of numbers small enough to compare per call: what is read in place."""
+    return isinstance(value, (dict, list, set)) or compared_buffer(value)
+
+
+def compared_buffer(value: Any) -> bool:
+    """Whether ``value`` is a buffer of numbers small enough to compare per call (``MAX_BUFFER_BYTES``)."""
+    if not isinstance(value, BUFFERS):
+        return False
+    size = len(value) if isinstance(value, bytearray) else (
+        len(value) * value.itemsize if isinstance(value, array.array) else value.nbytes)
+    return size <= MAX_BUFFER_BYTES
 _guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
 dict_version: Optional[Callable[[dict], int]] = getattr(_guards, "dict_version", None)
 _is = operator.is_

@@ -23,12 +23,11 @@ import torch
 
 from graphrt.guards.adapters import is_adapter_layer
 from graphrt.guards.attributes import attributes, has_attributes
-from graphrt.guards.in_place import BUFFERS
+from graphrt.guards.in_place import is_container
 from graphrt.guards.observe import Observation
 from graphrt.guards.python_state import MODULE_INTERNALS
 from graphrt.guards.reads import global_attributes, only_appended, self_attributes, self_chains
 
-CONTAINERS = (dict, list, set, *BUFFERS)
 MAX_DEPTH = 2  # objects followed below an object argument or a read object
 
 
@@ -54,7 +53,7 @@ class Reads:
         container; ``containers``: whether the object's own containers are read in place too."""
         if id(value) in self._seen or depth > MAX_DEPTH:
             return
-        if isinstance(value, CONTAINERS):
+        if is_container(value):
             self._seen.add(id(value))
             self.containers.append((path, value))
         elif isinstance(value, threading.local):
@@ -64,7 +63,7 @@ class Reads:
             self._seen.add(id(value))
             self.objects.append((path, value))
             for name, held in attributes(value).items():
-                if is_plain_object(held) or containers and isinstance(held, CONTAINERS):
+                if is_plain_object(held) or containers and is_container(held):
                     self.add(f"{path}.{name}", held, depth + 1, containers)
 
 
@@ -112,13 +111,13 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
         for name in names:
             if _global_log(observation, scope, name):
                 continue  # a global log the step appends to (a custom op's ``SEEN.append(...)``): never read
-            if id(scope[name]) not in holders or isinstance(scope[name], CONTAINERS):
+            if id(scope[name]) not in holders or is_container(scope[name]):
                 reads.add(f"global {name}", scope[name], containers=False)
     for code, scope in observation.codes.items():  # GLOBAL.name: a container of a global object, read in place
         for owner, name in global_attributes(code, observation.lines_of(code)):
             value = scope.get(owner)
             held = attributes(value).get(name) if is_plain_object(value) and id(value) not in holders else None
-            if isinstance(held, CONTAINERS):
+            if is_container(held):
                 reads.add(f"global {owner}.{name}", held)
     for partial in _partials(fn):
         reads.add(f"{_name(partial)}.keywords", partial.keywords)
@@ -152,12 +151,12 @@ def _module_reads(module: torch.nn.Module, observation: Observation, reads: Read
         if child is not None and id(child) not in ran and reads.mark(child):
             reads.submodules.append(child)  # read, never called: its attributes are read (self.dropout.p)
         value = own.get(name)
-        if value is not None and not name.startswith("__") and not (adapter and isinstance(value, CONTAINERS)):
+        if value is not None and not name.startswith("__") and not (adapter and is_container(value)):
             reads.add(f"{owner}.{name}", value, containers=False)
     for name, attribute in chains:  # self.config.rope_scaling: a container of a read object, read in place
         obj = own.get(name)
         held = attributes(obj).get(attribute) if is_plain_object(obj) else None
-        if isinstance(held, CONTAINERS):
+        if is_container(held):
             reads.add(f"{owner}.{name}.{attribute}", held)
 
 
@@ -167,7 +166,7 @@ def _object_reads(path: str, obj: Any, observation: Observation, reads: Reads) -
     held = attributes(obj)
     for code in observation.object_codes.get(type(obj), ()):
         for name in self_attributes(code, observation.lines_of(code)):
-            if isinstance(held.get(name), CONTAINERS):
+            if is_container(held.get(name)):
                 reads.add(f"{path}.{name}", held[name])
 
 

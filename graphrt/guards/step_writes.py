@@ -27,7 +27,7 @@ import torch
 
 from graphrt.guards.attributes import attributes, entry_of, has_attributes
 from graphrt.guards.class_state import class_dict
-from graphrt.guards.in_place import BUFFERS, put_back_buffer, snapshot
+from graphrt.guards.in_place import compared_buffer, is_container, put_back_buffer, snapshot
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
 from graphrt.layout.rebind_guard import differs, entries_changed
 
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 _MISSING = object()
 _OPAQUE = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType, types.CodeType)
-CONTAINERS = (dict, list, set)
 MUTATORS = frozenset({"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "add", "discard",
                       "remove", "clear", "__setitem__"})
 MAX_SAVED = 10_000
@@ -88,22 +87,22 @@ class StepWrites:
                 scopes.setdefault(id(vars(sys.modules[cls.__module__])), vars(sys.modules[cls.__module__]))
         for scope in scopes.values():
             for name, value in list(scope.items()):
-                if isinstance(value, (*CONTAINERS, *BUFFERS)) and not name.startswith("__"):
+                if is_container(value) and not name.startswith("__"):
                     self._held(name, value, classes)
 
     def _held(self, path: str, value: Any, classes: Dict[type, None]) -> None:
         """A value a module, a closure or a global holds: a container, or a helper object (and its containers)."""
         if id(value) in self._seen:
             return
-        if isinstance(value, BUFFERS):
+        if compared_buffer(value):
             self._save(path, "buffer", value, copy.copy(value))
-        elif isinstance(value, CONTAINERS):
+        elif is_container(value):
             self._save(path, "container", value, value.copy())
         elif _plain_object(value) and _user_module(type(value).__module__):
             self._save(path, "object", value, dict(attributes(value)))
             classes.update(dict.fromkeys(type(value).__mro__))
             for name, held in attributes(value).items():
-                if isinstance(held, (*CONTAINERS, *BUFFERS)) and id(held) not in self._seen:
+                if is_container(held) and id(held) not in self._seen:
                     self._held(f"{path}.{name}", held, classes)
 
     def _save(self, path: str, kind: str, holder: Any, copy: Any) -> None:
