@@ -105,20 +105,45 @@ def test_a_dict_attribute_changed_in_place_is_read():
     assert "temperature" in failures(fast)
 
 
-def test_partial_keywords_changed_in_place_are_read():
+class PartialActivation(nn.Module):
+    """Holds its activation as a ``functools.partial`` attribute (``partial(F.leaky_relu, negative_slope=...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.activation = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+def partial_wrapped():
     linear = nn.Linear(8, 8)
 
     def scaled(x, scale):
         return linear(x) * scale
 
     step = functools.partial(scaled, scale=2.0)
+    return step, step, "scale", 3.0
+
+
+def partial_attribute():
+    model = PartialActivation()
+    return model, model.activation, "negative_slope", 0.5
+
+
+@pytest.mark.parametrize("case", [partial_wrapped, partial_attribute], ids=["the wrapped partial", "a module's partial"])
+def test_partial_keywords_changed_in_place_are_read(case):
+    """The wrapped callable a partial, or a partial a module holds and calls (an activation): its keywords are
+    what the call passes. Before, a module's partial was not read: the old keyword replayed, silently."""
+    step, partial, keyword, value = case()
     fast = wrap(step, max_batch_size=4, capture_sizes=[4])
     x = torch.randn(4, 8)
     with torch.no_grad():
         calls(fast, x)
-        step.keywords["scale"] = 3.0
+        partial.keywords[keyword] = value
         assert all(torch.equal(fast(x), step(x)) for _ in range(3))
-    assert "python_state:" in failures(fast) and "scale" in failures(fast)
+    assert "python_state:" in failures(fast) and f"keywords['{keyword}']" in failures(fast)
 
 
 def test_a_closure_list_changed_in_place_is_read():

@@ -49,8 +49,9 @@ class Reads:
         return True
 
     def add(self, path: str, value: Any, depth: int = 0, containers: bool = True) -> None:
-        """``value`` read at ``path``: a plain object (and what it holds, ``depth`` levels down) or a
-        container; ``containers``: whether the object's own containers are read in place too."""
+        """``value`` read at ``path``: a plain object (and what it holds, ``depth`` levels down), a container, or
+        a ``functools.partial`` (its keywords and arguments); ``containers``: whether the object's own containers
+        are read in place too."""
         if id(value) in self._seen or depth > MAX_DEPTH:
             return
         if is_container(value):
@@ -59,6 +60,11 @@ class Reads:
         elif isinstance(value, threading.local):
             self._seen.add(id(value))
             self.thread_locals.append((path, value))
+        elif isinstance(value, functools.partial):  # what a call of it passes: its keywords and arguments
+            self._seen.add(id(value))
+            self.add(f"{path}.keywords", value.keywords, depth)
+            for index, argument in enumerate(value.args):
+                self.add(f"{path}.args[{index}]", argument, depth)
         elif is_plain_object(value):
             self._seen.add(id(value))
             self.objects.append((path, value))
@@ -120,9 +126,7 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
             if is_container(held):
                 reads.add(f"global {owner}.{name}", held)
     for partial in _partials(fn):
-        reads.add(f"{_name(partial)}.keywords", partial.keywords)
-        for index, argument in enumerate(partial.args):
-            reads.add(f"{_name(partial)}.args[{index}]", argument)
+        reads.add(_name(partial), partial)
     for path, obj in list(reads.objects):  # a container an object's own methods index (``self.values[0]``)
         _object_reads(path, obj, observation, reads)
     for module in observation.modules:
