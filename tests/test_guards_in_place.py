@@ -226,6 +226,39 @@ def test_buffers_up_to_64_kib_are_compared_per_call_and_larger_tables_are_not():
     assert not compared_buffer([1.0]) and not compared_buffer(torch.zeros(4))
 
 
+class NestedSettings(nn.Module):
+    """Reads numbers nested in containers it holds: a dict in a dict (``rope_scaling``-like), a list in a list
+    (per-layer settings), a list in a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.config = {"rope": {"factor": 1.0}}
+        self.rows = [[1.0]]
+        self.pair = ([1.0],)
+
+    def forward(self, x):
+        return self.linear(x) * self.config["rope"]["factor"] * self.rows[0][0] * self.pair[0][0]
+
+
+@pytest.mark.parametrize("write,named", [
+    (lambda model: model.config["rope"].__setitem__("factor", 4.0), "NestedSettings.config['rope']"),
+    (lambda model: model.rows[0].__setitem__(0, 2.0), "NestedSettings.rows[0]"),
+    (lambda model: model.pair[0].__setitem__(0, 2.0), "NestedSettings.pair[0]"),
+], ids=["dict in a dict", "list in a list", "list in a tuple"])
+def test_a_container_nested_in_one_the_step_reads_changed_in_place_is_read(write, named):
+    """Before, a read container was compared with a shallow copy, which shares the containers inside it (and a
+    tuple was no container): a write inside them replayed the old value, silently."""
+    model = NestedSettings()
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        write(model)
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    assert f"python_state: {named}" in failures(fast)
+
+
 class IndexedOptions:
     """A settings object whose own methods index its containers: the step reads ``self.options.scale``."""
 

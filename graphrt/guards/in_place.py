@@ -37,8 +37,25 @@ MAX_BUFFER_BYTES = 1 << 16
 
 
 def is_container(value: Any) -> bool:
-    """A dict, list or set, or a buffer of numbers small enough to compare per call: what is read in place."""
+    """A dict, list or set, a tuple holding one (``([1.0],)``), or a buffer of numbers small enough to compare
+    per call: what is read in place."""
+    if isinstance(value, tuple):
+        return any(map(is_container, value))
     return isinstance(value, (dict, list, set)) or compared_buffer(value)
+
+
+def plain_copy(value: Any) -> Any:
+    """``value`` with the dicts, lists, sets and tuples it holds copied at every depth, and anything else as is
+    (objects stay themselves, compared by identity): ``value == plain_copy(value)`` until a write anywhere
+    inside it (``cfg["rope"]["factor"] = 4``, ``rows[0][0] = 2``), where a shallow copy would share the
+    inner containers and see nothing."""
+    if isinstance(value, dict):
+        return {key: plain_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(plain_copy, value)) if type(value) in (list, tuple) else copy.copy(value)
+    if isinstance(value, set):
+        return set(value)
+    return value
 
 
 def compared_buffer(value: Any) -> bool:
@@ -100,7 +117,7 @@ def _items(container: Collection[Any], keep: List[Any],
         return (("shape", container.shape), ("dtype", container.dtype.str), *enumerate(container.ravel().tolist()))
     if isinstance(container, dict):
         return tuple((key, frozen(value, keep)) for key, value in container.items() if key not in skip)
-    if isinstance(container, list):
+    if isinstance(container, (list, tuple)):
         return tuple(enumerate(frozen(value, keep) for value in container))
     return tuple((member, member) for member in frozen(container, keep)[1])
 
@@ -121,7 +138,7 @@ class Versioned:
         self.by_identity = [entry for entry in self.entries
                             if entry not in self.copied and entry not in self.versioned and entry not in self.buffers]
         self.copied_dicts = [entry.mapping for entry in self.copied]
-        self.copies = [copy.copy(mapping) for mapping in self.copied_dicts]  # renewed in place: check() holds it
+        self.copies = [plain_copy(mapping) for mapping in self.copied_dicts]  # renewed in place: check() holds it
         self.versioned_dicts = [entry.mapping for entry in self.versioned]
         self.versions: List[int] = list(map(dict_version, self.versioned_dicts)) if self.versioned else []
         self.members = [_members(entry.mapping) for entry in self.by_identity]
@@ -160,7 +177,7 @@ class Versioned:
         versions and members are taken again."""
         if any(entry.change() is not None for entry in entries):
             return False
-        self.copies[:] = [copy.copy(mapping) for mapping in self.copied_dicts]
+        self.copies[:] = [plain_copy(mapping) for mapping in self.copied_dicts]
         self.versions = list(map(dict_version, self.versioned_dicts)) if self.versioned else []
         self.members = [_members(entry.mapping) for entry in self.by_identity]
         self.snapshots = [snapshot(entry.mapping) for entry in self.buffers]

@@ -27,7 +27,7 @@ import torch
 
 from graphrt.guards.attributes import attributes, entry_of, has_attributes
 from graphrt.guards.class_state import class_dict
-from graphrt.guards.in_place import compared_buffer, is_container, put_back_buffer, snapshot
+from graphrt.guards.in_place import compared_buffer, put_back_buffer, snapshot
 from graphrt.guards.observe import Observation, entry_functions, is_user_file
 from graphrt.layout.rebind_guard import differs, entries_changed
 
@@ -46,6 +46,11 @@ def _user_module(name: str) -> bool:
     module = sys.modules.get(name)
     filename = getattr(module, "__file__", None)
     return module is not None and (filename is None or is_user_file(filename))
+
+
+def _writable(value: Any) -> bool:
+    """A container the step can write in place: a dict, list or set, or a buffer of numbers (small enough to save)."""
+    return isinstance(value, (dict, list, set)) or compared_buffer(value)
 
 
 def _plain_object(value: Any) -> bool:
@@ -87,7 +92,7 @@ class StepWrites:
                 scopes.setdefault(id(vars(sys.modules[cls.__module__])), vars(sys.modules[cls.__module__]))
         for scope in scopes.values():
             for name, value in list(scope.items()):
-                if is_container(value) and not name.startswith("__"):
+                if _writable(value) and not name.startswith("__"):
                     self._held(name, value, classes)
 
     def _held(self, path: str, value: Any, classes: Dict[type, None]) -> None:
@@ -96,13 +101,13 @@ class StepWrites:
             return
         if compared_buffer(value):
             self._save(path, "buffer", value, copy.copy(value))
-        elif is_container(value):
+        elif _writable(value):
             self._save(path, "container", value, value.copy())
         elif _plain_object(value) and _user_module(type(value).__module__):
             self._save(path, "object", value, dict(attributes(value)))
             classes.update(dict.fromkeys(type(value).__mro__))
             for name, held in attributes(value).items():
-                if is_container(held) and id(held) not in self._seen:
+                if _writable(held) and id(held) not in self._seen:
                     self._held(f"{path}.{name}", held, classes)
 
     def _save(self, path: str, kind: str, holder: Any, copy: Any) -> None:
