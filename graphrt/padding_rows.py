@@ -50,7 +50,7 @@ from graphrt.backends.state_journal import (
     StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
 )
 from graphrt.capture import WHOLE_SAVE_BUDGET
-from graphrt.verify import rounding_tolerance
+from graphrt.verify import owned, rounding_tolerance
 from graphrt.guards import observed_run
 from graphrt.layout.tensor_tree import flatten
 
@@ -241,14 +241,16 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
     with torch.no_grad(), eager_stance():  # a compiled step called under a dispatch mode would stay uncompiled
         try:
             with journal:
-                real_returned = _owned_leaves(real_step())
+                returned = real_step()
+                real_returned = _leaves(returned) if outputs else []
             real_regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
             real_values = [region.current() for region in real_regions]
             real_generators = journal.generators.current()
             journal.put_back()
             first = len(journal.regions)
             with journal, taint:
-                padded_returned = _owned_leaves(padded_step())
+                returned = padded_step()
+                padded_returned = _leaves(returned) if outputs else []
             moved = _moved_apart(journal.generators.current(), real_generators) if draws else None
             padded_regions = [region for region in journal.regions[first:]
                               if storage_key(region.target) not in exempt]
@@ -283,11 +285,11 @@ def _moved_apart(padded: Mapping[int, Tuple[torch.Generator, torch.Tensor]],
     return None
 
 
-def _owned_leaves(returned: Any) -> List[Any]:
+def _leaves(returned: Any) -> List[Any]:
     """The leaves of what a step returned, tensors cloned (the journal puts back memory they may view)."""
     leaves: List[Any] = []
     flatten(returned, leaves)
-    return [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return list(map(owned, leaves))
 
 
 def real_part(real: torch.Tensor, padded: torch.Tensor, rows: Mapping[int, int]) -> Optional[torch.Tensor]:

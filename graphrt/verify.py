@@ -34,7 +34,7 @@ def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_lea
     with torch.no_grad(), eager_stance():
         try:
             with journal:
-                expected = [_owned(leaf) for leaf in fn()]
+                expected = [owned(leaf) for leaf in fn()]
             regions = list(journal.regions)  # what eager wrote; the replay must write the same
             expected_state = [region.current() for region in regions]
             journal.put_back()  # the state and generators the eager run started from
@@ -91,7 +91,8 @@ def computed_dtype(values: torch.Tensor) -> torch.dtype:
     return values.dtype
 
 
-def _owned(leaf: Any) -> Any:
+def owned(leaf: Any) -> Any:
+    """A leaf a run returned, kept apart from the memory a journal puts back: a tensor cloned, else itself."""
     return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
 

@@ -226,6 +226,18 @@ def test_buffers_up_to_64_kib_are_compared_per_call_and_larger_tables_are_not():
     assert not compared_buffer([1.0]) and not compared_buffer(torch.zeros(4))
 
 
+def eager_after_write(model, write):
+    """``model`` wrapped and recorded, then ``write(model)``: the next calls must give eager's result. Returns
+    the guard failures, which name what changed."""
+    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        calls(fast, x)
+        write(model)
+        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
+    return failures(fast)
+
+
 class NestedSettings(nn.Module):
     """Reads numbers nested in containers it holds: a dict in a dict (``rope_scaling``-like), a list in a list
     (per-layer settings), a list in a tuple."""
@@ -249,14 +261,7 @@ class NestedSettings(nn.Module):
 def test_a_container_nested_in_one_the_step_reads_changed_in_place_is_read(write, named):
     """Before, a read container was compared with a shallow copy, which shares the containers inside it (and a
     tuple was no container): a write inside them replayed the old value, silently."""
-    model = NestedSettings()
-    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        calls(fast, x)
-        write(model)
-        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
-    assert f"python_state: {named}" in failures(fast)
+    assert f"python_state: {named}" in eager_after_write(NestedSettings(), write)
 
 
 class IndexedOptions:
@@ -284,22 +289,14 @@ class OptionsModel(nn.Module):
         return self.linear(x) * self.options.scale + self.options.shift()
 
 
-@pytest.mark.parametrize("change", ["values", "named"], ids=["a list a property indexes",
-                                                            "a dict a method indexes"])
-def test_a_container_an_objects_own_methods_index_is_read(change):
+@pytest.mark.parametrize("write,named", [
+    (lambda model: model.options.values.__setitem__(0, 2.0), "OptionsModel.options.values["),
+    (lambda model: model.options.named.__setitem__("shift", 0.5), "OptionsModel.options.named["),
+], ids=["a list a property indexes", "a dict a method indexes"])
+def test_a_container_an_objects_own_methods_index_is_read(write, named):
     """The step reads ``self.options.scale``, whose getter returns ``self.values[0]``: the container is the
     object's, indexed by its own code on a line that ran. Changed in place after capture, eager's result."""
-    model = OptionsModel()
-    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        calls(fast, x)
-        if change == "values":
-            model.options.values[0] = 2.0
-        else:
-            model.options.named["shift"] = 0.5
-        assert all(torch.equal(fast(x), model(x)) for _ in range(3))
-    assert f"OptionsModel.options.{change}[" in failures(fast)
+    assert named in eager_after_write(OptionsModel(), write)
 
 
 class ComprehensionModel(nn.Module):
@@ -320,27 +317,22 @@ class ComprehensionModel(nn.Module):
         return capped * max(self.options.values[index] for index in range(1))
 
 
-@pytest.mark.parametrize("change", ["dict", "class", "object"])
-def test_what_a_comprehension_or_lambda_in_forward_reads_through_self_is_read(change):
+def softcap_halved(model):
+    ComprehensionModel.softcap = 0.5
+
+
+@pytest.mark.parametrize("write,named", [
+    (lambda model: model.scales.__setitem__("a", 2.0), "ComprehensionModel.scales['a']"),
+    (softcap_halved, "ComprehensionModel.softcap 1.0 -> 0.5"),
+    (lambda model: model.options.values.__setitem__(0, 3.0), "ComprehensionModel.options.values[0]"),
+], ids=["dict", "class", "object"])
+def test_what_a_comprehension_or_lambda_in_forward_reads_through_self_is_read(write, named):
     """Before, the loads through ``self`` in nested code were not seen: changing any of these replayed the
     old value, silently."""
-    model = ComprehensionModel()
-    fast = wrap(model, max_batch_size=4, capture_sizes=[4])
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        calls(fast, x)
-        if change == "dict":
-            model.scales["a"] = 2.0
-        elif change == "class":
-            ComprehensionModel.softcap = 0.5
-        else:
-            model.options.values[0] = 3.0
-        try:
-            assert all(torch.equal(fast(x), model(x)) for _ in range(3))
-        finally:
-            ComprehensionModel.softcap = 1.0
-    assert {"dict": "ComprehensionModel.scales['a']", "class": "ComprehensionModel.softcap 1.0 -> 0.5",
-            "object": "ComprehensionModel.options.values[0]"}[change] in failures(fast)
+    try:
+        assert named in eager_after_write(ComprehensionModel(), write)
+    finally:
+        ComprehensionModel.softcap = 1.0
 
 
 CONFIG = {"scale": 1.0}

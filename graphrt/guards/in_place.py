@@ -51,10 +51,10 @@ def plain_copy(value: Any) -> Any:
     inner containers and see nothing."""
     if isinstance(value, dict):
         return {key: plain_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(plain_copy, value)) if type(value) in (list, tuple) else copy.copy(value)
-    if isinstance(value, set):
-        return set(value)
+    if type(value) in (list, tuple):
+        return type(value)(map(plain_copy, value))
+    if isinstance(value, (list, tuple, set)):  # a set (hashable members), a subclass (a namedtuple): shallow
+        return copy.copy(value)
     return value
 
 
@@ -65,6 +65,8 @@ def compared_buffer(value: Any) -> bool:
     size = len(value) if isinstance(value, bytearray) else (
         len(value) * value.itemsize if isinstance(value, array.array) else value.nbytes)
     return size <= MAX_BUFFER_BYTES
+
+
 _guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
 dict_version: Optional[Callable[[dict], int]] = getattr(_guards, "dict_version", None)
 _is = operator.is_
@@ -109,11 +111,9 @@ def _items(container: Collection[Any], keep: List[Any],
            skip: AbstractSet[Any] = frozenset()) -> Tuple[Tuple[Any, Any], ...]:
     """``(key, frozen value)`` of a dict's items (but ``skip``'s), a list's positions, a set's members, a
     buffer's items (a numpy array's flat, after its shape and dtype)."""
-    if isinstance(container, BUFFERS):
-        if isinstance(container, bytearray):
-            return tuple(enumerate(container))
-        if isinstance(container, array.array):
-            return tuple(enumerate(container.tolist()))
+    if isinstance(container, (array.array, bytearray)):
+        return tuple(enumerate(container))
+    if isinstance(container, BUFFERS):  # a numpy array
         return (("shape", container.shape), ("dtype", container.dtype.str), *enumerate(container.ravel().tolist()))
     if isinstance(container, dict):
         return tuple((key, frozen(value, keep)) for key, value in container.items() if key not in skip)

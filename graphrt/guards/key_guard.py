@@ -188,10 +188,13 @@ class KeyGuard:
         """``failure(state, sources, call, debug=False)``: None when the key may serve ``call`` made
         under ``state`` (a ``StateWatch`` token), whose staged tensors are ``sources(call)`` (read only when
         the step writes memory); else why not. ``debug`` (debug mode): raise StaleStateError for a tensor
-        whose memory was swapped, and read the Python state whole (``unannounced_change``). A closure over the key's constants: the per-call path loads no
-        attribute but the epoch seen last."""
-        captured, holds_all, touched, staging = self.state, self._holds, self.touched, self.staging
-        storages, storage_of = self.storages, torch.Tensor.untyped_storage
+        whose memory was swapped, and read the Python state whole (``unannounced_change``). A closure over the
+        key's constants: the per-call path loads no attribute but the epoch seen last."""
+        captured, holds_all, staging = self.state, self._holds, self.staging
+        # a staged tensor shares memory with the state when its key is among the state's: its storage object
+        # where the bindings hold every state storage (one C call), else its storage's address
+        state_keys, key_of = ((self.storages, torch.Tensor.untyped_storage) if self.storages is not None
+                              else (self.touched, _storage_address))
         check_aliases, check_pairs, guard = self.check_aliases, self.check_pairs, self
 
         def failure(state: Any, sources: Sources, call: Any, debug: bool = False) -> Optional[GuardFailure]:
@@ -216,19 +219,13 @@ class KeyGuard:
             if check_aliases:
                 tensors = sources(call)
                 shares = check_pairs
-                if storages is not None and not shares:  # whether a staged tensor's memory is the state's
+                if not shares:  # whether a staged tensor's memory is state the step reads or writes
                     for tensor in tensors:
-                        if tensor is not None and storage_of(tensor) in storages:
-                            shares = True
-                            break
-                elif not shares:
-                    for tensor in tensors:
-                        if tensor is not None and tensor.untyped_storage().data_ptr() in touched:
+                        if tensor is not None and key_of(tensor) in state_keys:
                             shares = True
                             break
                 if shares:
-                    changed = guard._aliased([tensor.untyped_storage().data_ptr() for tensor in tensors
-                                              if tensor is not None])
+                    changed = guard._aliased([_storage_address(tensor) for tensor in tensors if tensor is not None])
                     if changed is not None:
                         return changed
             if debug:
@@ -248,7 +245,7 @@ class KeyGuard:
         epoch is remembered: nothing is read again until it moves)."""
         now = EPOCH[0]
         end, changes = changes_since(self.position)
-        change = self.bindings.rebound(changes, self.staging) or self.python.change(changes, self.staging)
+        change = self._reread(changes)
         if change is not None:
             return GuardFailure(*change)
         self.epoch, self.position = now, end
@@ -258,7 +255,7 @@ class KeyGuard:
         """Debug mode, every call: the Python state and bindings read whole, past the epoch, so that a write
         no API tells of (``object.__setattr__(module, ...)``, a module's ``__dict__`` written directly) is seen;
         logged once per key, as the same call without debug mode would replay the old state."""
-        change = self.bindings.rebound(None, self.staging) or self.python.change(None, self.staging)
+        change = self._reread(None)
         if change is None:
             return None
         if not self.unannounced:
@@ -266,6 +263,11 @@ class KeyGuard:
             logger.warning("%s: %s, and no API able to change it ran (a write past Module.__setattr__: "
                            "object.__setattr__, the module's __dict__); seen only because debug=True", *change)
         return GuardFailure(*change)
+
+    def _reread(self, changes: Optional[Set[Any]]) -> Optional[Tuple[str, str]]:
+        """The bindings and the Python state read again, as far as ``changes`` name (None: whole); the first
+        difference from capture, ``(reason, words)``, else None."""
+        return self.bindings.rebound(changes, self.staging) or self.python.change(changes, self.staging)
 
     def holds_now(self) -> bool:
         """Whether the Python state of now is this key's (its state read again, its live checks),
@@ -298,6 +300,10 @@ class KeyGuard:
                 f"{path}: its memory was swapped since capture (e.g. `.data = other`); a CUDA graph reads the "
                 "captured memory, so replays would compute with the old values. Update weights in place "
                 "(`copy_`, `load_state_dict`), or call recapture() after swapping them")
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def held_storages(tensors: Sequence[torch.Tensor], memory: AbstractSet[int]) -> Optional[FrozenSet[Any]]:
