@@ -23,7 +23,7 @@ import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
@@ -121,13 +121,20 @@ class CaptureReport:
 
 # Bytes a capture may copy to undo writes it cannot narrow to rows (opaque ops writing a whole tensor).
 WHOLE_SAVE_BUDGET = 16 << 20
-# Runs a key's first warm-up its own way, given the step (wrap()'s padding check runs it as its padded-size run).
-WarmUp = Callable[[Callable[[], Any]], None]
 
 
-class CaptureDeferred(Exception):
-    """Raised by a key's first warm-up (``WarmUp``): this call must not record the key, which stays pending
-    for a later call (wrap(): a padded call whose padding rows write state; its own size records instead)."""
+class CaptureChecks(Protocol):
+    """A key's first warm-up and its verification run another way than the plain ones (wrap()'s padding
+    check, graphrt.padding_rows.PaddingCheck: the warm-up is its padded-size run, the verification's eager run
+    its real-size run), so a key's capture still runs the step three times."""
+
+    def warm_up(self, step: Callable[[], Any]) -> None:
+        """Run the first warm-up, ``step()`` (every write of it undone by the capture's journal too)."""
+
+    def verify(self, graph: CapturedGraph, journal: StateJournal, verify_eagerly: Optional[Callable[[], None]]
+               ) -> None:
+        """After the recording: raise VerifyError where the graph must not serve; ``verify_eagerly``: the plain
+        verification, for what the checks cannot tell otherwise (None: verification is off)."""
 
 
 # Every rank calls it after each phase of a key's capture ("prepare", "capture", "verify") with its own
@@ -165,10 +172,10 @@ class KeyCapture:
         return error if error is not None else peer_error
 
     def capture_all(self, registry: GraphRegistry,
-                    before_capture: Optional[Callable[[GraphEntry], Optional[WarmUp]]] = None,
+                    before_capture: Optional[Callable[[GraphEntry], Optional[CaptureChecks]]] = None,
                     progress: bool = True) -> CaptureReport:
         """Capture every pending key of ``registry``, largest first; ``before_capture`` runs before
-        each key's warm-up and may return how to run its first warm-up (``WarmUp``). A key whose
+        each key's warm-up and may return how to run its first warm-up and verification (``CaptureChecks``). A key whose
         capture raises is marked FAILED with the reason and the others go on, unless the step was refused (``StepRefusal``: code no key can hold), which fails
         every later key with it. KeyboardInterrupt stops the loop, keeps the keys already captured and
         propagates."""
@@ -181,17 +188,17 @@ class KeyCapture:
             for entry in pending:
                 start = time.perf_counter()
                 error: Optional[Exception] = refusal
-                warm_up: Optional[WarmUp] = None
+                checks: Optional[CaptureChecks] = None
                 try:
                     if before_capture is not None and error is None:
-                        warm_up = before_capture(entry)
+                        checks = before_capture(entry)
                 except Exception as caught:  # a failed capture disables only this key
                     error = caught
                 error = self._agreed(entry, "prepare", error)
                 if error is not None:
                     registry.mark_failed(entry, error)
                 else:
-                    self.capture_entry(registry, entry, self.warmup_iters, warm_up=warm_up)
+                    self.capture_entry(registry, entry, self.warmup_iters, checks=checks)
                     refusal = entry.refused
                 entry.seconds = time.perf_counter() - start
                 report.keys.append(KeyReport(entry.key, entry.status is GraphStatus.READY, entry.seconds,
@@ -202,12 +209,13 @@ class KeyCapture:
         return report
 
     def capture_entry(self, registry: GraphRegistry, entry: GraphEntry, warmup_iters: int, then: str = "",
-                      watch: Optional[AbstractContextManager] = None, warm_up: Optional[WarmUp] = None) -> bool:
+                      watch: Optional[AbstractContextManager] = None, checks: Optional[CaptureChecks] = None) -> bool:
         """Warm up, capture and (unless ``verify`` is off) verify one key against eager, every
         write to the model's tensors undone; a failure marks the key FAILED or VERIFY_FAILED with
         the reason (its steps run eagerly, or, as ``then`` says, get another graph). True when READY.
-        ``watch``: a context the first warm-up runs in, whose exit may refuse the key (raise); ``warm_up``:
-        runs the first warm-up (at least one then runs), whose ``CaptureDeferred`` propagates, the key pending."""
+        ``watch``: a context the first warm-up runs in, whose exit may refuse the key (raise); ``checks``: run
+        the first warm-up (at least one then runs) and the verification (even with ``verify`` off: the plain
+        verification is then not theirs to call)."""
         step = recorded_step(entry)
         record: Optional[Record] = None
         if entry.record is not None:
@@ -216,12 +224,11 @@ class KeyCapture:
         error: Optional[Exception] = None
         entry.refused, entry.runs_compiled, entry.compiled = None, False, None  # this capture's findings
         try:
-            runs = max(warmup_iters, 1) if self.compiled or warm_up is not None else warmup_iters
+            runs = max(warmup_iters, 1) if self.compiled or checks is not None else warmup_iters
             graph = capture_graph(self.backend, step, runs, record, journal, watch, capture_path=not self.compiled,
-                                  compile_step=lambda put_back: self._compile(entry, put_back), warm_up=warm_up)
+                                  compile_step=lambda put_back: self._compile(entry, put_back),
+                                  warm_up=None if checks is None else checks.warm_up)
             check_devices(entry, graph, self.backend.graph_device)
-        except CaptureDeferred:
-            raise
         except Exception as caught:  # a failed capture disables only this key
             error = caught
             if isinstance(caught, StepRefusal):
@@ -230,10 +237,14 @@ class KeyCapture:
         if error is not None:
             registry.mark_failed(entry, error, then=then)
             return False
-        if self.verify:
+        if self.verify or checks is not None:
             start = time.perf_counter()
+            verify_eagerly = (lambda: verify_graph(graph, step, same_value, journal)) if self.verify else None
             try:
-                verify_graph(graph, step, same_value, journal)
+                if checks is None:
+                    verify_eagerly()
+                else:
+                    checks.verify(graph, journal, verify_eagerly)
             except Exception as caught:  # a mismatch (VerifyError) or a replay that raised: this key only
                 error = caught
             finally:
@@ -339,7 +350,7 @@ def capture_graph(backend: GraphBackend, fn: Callable[[], Any], warmup_iters: in
                   journal: Optional[StateJournal] = None, watch: Optional[AbstractContextManager] = None,
                   capture_path: bool = False,
                   compile_step: Optional[Callable[[Callable[[], None]], None]] = None,
-                  warm_up: Optional[WarmUp] = None) -> CapturedGraph:
+                  warm_up: Optional[Callable[[Callable[[], Any]], None]] = None) -> CapturedGraph:
     """``warmup_iters`` warm-up calls of ``fn``, then one recording (``record(fn, generators)``,
     default ``backend.capture``), each on the state as it was before (a warm-up's writes are put
     back before the next run); every in-place write and every random draw undone. The

@@ -43,14 +43,15 @@ from graphrt.outside_reads import OutsideReads, refuse_changed_reads
 from graphrt.backends.state_journal import storage_key
 from graphrt.backends.torchscript import refuse_torchscript
 from graphrt.batch import ForwardMode, debug_enabled
-from graphrt.capture import CaptureDeferred, CaptureReport, KeyCapture, WarmUp
+from graphrt.capture import CaptureReport, KeyCapture
 from graphrt.entry import EagerReason, GraphEntry, GraphKey, KeyKind, replay_or_eager
 from graphrt.guards import RECURRING, GuardFailure, GuardSpec, StateWatch
 from graphrt.layout.call_signature import CallSignature, StaticCall
 from graphrt.layout.layout_table import Layout, LayoutTable
 from graphrt.layout.signature_stager import SignatureStager
 from graphrt.layout.wrapped_module import through_wrapper
-from graphrt.padding_rows import checked_pad_values, padding_refusal, positional_names
+from graphrt.pad_values import checked_pad_values, positional_names
+from graphrt.padding_rows import PaddingCheck
 from graphrt.registry import STATUS_REASONS, GraphRegistry, merged_summary
 from graphrt.sizes import SizeGrid, default_capture_sizes, normalize_capture_sizes
 from graphrt.stats import RuntimeStats
@@ -250,12 +251,12 @@ class GraphedCallable:
                                  "padding it would be a guess; capture with an example whose batch size differs "
                                  "from its other dims")
 
-            def stage_example(entry: GraphEntry) -> Optional[WarmUp]:
-                warm_up = self._padding_check(layout, entry, leaves, rows, defer=False)
-                if warm_up is None:
+            def stage_example(entry: GraphEntry) -> Optional[PaddingCheck]:
+                checks = self._padding_check(layout, entry, leaves, rows)
+                if checks is None:
                     signature.stage(leaves, min(rows, entry.key.num_tokens), cut=True)
                 self._static_inputs(signature, entry)
-                return warm_up
+                return checks
 
             report = layout.graphs.capture.capture_all(layout.graphs.registry, stage_example, progress=self.progress)
             if report.ok:
@@ -336,7 +337,8 @@ class GraphedCallable:
         if torch.is_grad_enabled() and graphs.autograd is None:  # whether eager outputs carry history: see once
             return self._run_eager(EagerReason.AUTOGRAD, layout, batch_size, args, kwargs)
         captured = self._record(layout, entry, leaves, batch_size)
-        if not captured and batch_size != padded and entry.refused is None:
+        if batch_size != padded and entry.refused is None and (not captured or graphs.exact_sizes is not None):
+            # The padded key failed, or its padding was refused: the call's own size records now.
             entry = self._exact_size_entry(layout, batch_size)
             captured = self._record(layout, entry, leaves, batch_size)
         if entry.refused is not None:  # the step, not the size: no key of this layout can hold it
@@ -433,8 +435,8 @@ class GraphedCallable:
     def _record(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], batch_size: int) -> bool:
         """Stage the call's rows and record ``entry`` on them (writes undone); True when it replays.
         A padded key that fails is not final: the call's own size gets a graph (logged as INFO)."""
-        warm_up = self._padding_check(layout, entry, leaves, batch_size, defer=True)
-        if warm_up is None:
+        checks = self._padding_check(layout, entry, leaves, batch_size)
+        if checks is None:
             layout.signature.stage(leaves, batch_size)
         self._static_inputs(layout.signature, entry)
         padded = entry.key.num_tokens
@@ -444,20 +446,16 @@ class GraphedCallable:
         watch = None if expected is None else refuse_changed_reads(set(layout.signature.slot_paths()), expected,
                                                                     entry.guard_spec.roots())
         with capture.backend.capture_session():  # one warm-up at the padded shape first, its writes undone
-            try:
-                return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch, warm_up)
-            except CaptureDeferred:
-                return False
+            return capture.capture_entry(layout.graphs.registry, entry, 1, then, watch, checks)
 
-    def _padding_check(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int,
-                       defer: bool) -> Optional[WarmUp]:
+    def _padding_check(self, layout: Layout[LayoutGraphs], entry: GraphEntry, leaves: List[Any], rows: int
+                       ) -> Optional[PaddingCheck]:
         """Before ``entry``'s key first records: if smaller calls will pad to it, stage the fewest rows it
-        serves (this call's first rows, pad values above) and return the key's first warm-up, which runs
-        the step on those rows and then, as the warm-up, on all its rows, comparing the two
-        (graphrt.padding_rows). Padding rows that write state the real rows' step does not (or a step that
-        cannot run at both sizes) make the layout record every size exactly, said once; with ``defer``
-        (a call of ``rows``, padded) the key then records on a later call of its own size. None when no
-        check is due (the call's rows staged by the caller)."""
+        serves (this call's first rows, pad values above) and return the check of its padding rows, which
+        runs as the key's first warm-up (all its rows) and its verification (those rows): graphrt.padding_rows.
+        Padding rows that write state the real rows' step does not, or return other real rows (or a step that
+        cannot run at both sizes) make the layout record every size exactly, said once; the key's graph
+        still serves calls of its own size. None when no check is due (the call's rows staged by the caller)."""
         graphs = layout.graphs
         size = entry.key.num_tokens
         real = min(rows, graphs.registry.smallest_padded(MODE, size, KeyKind.CALL))
@@ -466,19 +464,7 @@ class GraphedCallable:
         signature = layout.signature
         signature.stage(leaves, real, cut=True)
 
-        def warm_up(step: Callable[[], Any]) -> None:
-            runs = []  # "started", then "done": how far the padded-size run (the warm-up) went
-
-            def padded_run() -> Any:
-                runs.append("started")
-                outputs = step()
-                runs.append("done")
-                return outputs
-
-            why, error = padding_refusal(self.fn, signature, real, size, self.scratch_storages,
-                                         entry.guard_spec.rebind_roots(), padded_run)
-            if why is None:
-                return
+        def refused(why: str, error: Optional[Exception]) -> None:
             if error is None and why not in self._padding_warned:
                 self._padding_warned.add(why)
                 logger.warning("wrap(): %s. Calls of layout %d are recorded at their exact sizes", why, layout.number)
@@ -486,17 +472,12 @@ class GraphedCallable:
             stager = SignatureStager(signature)
             graphs.registry.add_sizes(MODE, range(1, self.max_batch_size + 1),
                                       lambda key: self._make_entry(signature, stager, key), KeyKind.CALL)
-            if error is not None and (runs == ["started"] or defer and rows != size):
-                raise error  # the warm-up raised, or a padded call's key cannot run at both sizes: it fails
-            if defer and rows != size:
-                raise CaptureDeferred(why)
-            if not runs:  # the real-size run raised: the padded one runs alone, as the warm-up
-                step()
 
-        return warm_up
+        return PaddingCheck(self.fn, signature, real, size, self.scratch_storages, entry.guard_spec.rebind_roots(),
+                            refused)
 
     def _exact_size_entry(self, layout: Layout[LayoutGraphs], batch_size: int) -> GraphEntry:
-        """A key of the call's own size, for a size whose padded key's capture failed."""
+        """A key of the call's own size, for a size whose padded key's capture failed or whose padding was refused."""
         stager = SignatureStager(layout.signature)
         return layout.graphs.registry.add_size(MODE, batch_size, lambda key: self._make_entry(layout.signature, stager,
                                                                                                key), KeyKind.CALL)

@@ -1,13 +1,14 @@
 """Padding rows must write no state a real row's step would not: found from the write journal.
 
 A padded call runs the step on ``padded`` rows of which only ``real`` are the caller's; the rest
-hold pad values. Verification compares the padded replay with the padded eager run, so it cannot
-see a padding row that writes a live request's KV slot (``index_copy_`` at slot 0, the pad
-value). ``find_padding_write`` runs the step at the real size and at the padded size on the same
-static slots, both under one StateJournal (every write undone), and compares what they did to
-the state (memory that existed before, outside the step's own argument slots and the caller's
-declared scratch). In wrap() the padded-size run is the key's first capture warm-up, so the check
-costs one run of the step, at the real size:
+hold pad values. Comparing the padded replay with a padded eager run cannot see a padding row that
+writes a live request's KV slot (``index_copy_`` at slot 0, the pad value). ``find_padding_write``
+runs the step at the real size and at the padded size on the same static slots, both under one
+StateJournal (every write undone), and compares what they did to the state (memory that existed
+before, outside the step's own argument slots and the caller's declared scratch). In wrap()
+(``PaddingCheck``) the padded-size run is the key's first capture warm-up and the real-size run is
+its verification's eager run, against which the replay is verified through the warm-up: the check
+adds no run of the step. It compares:
 
 * where they wrote: the rows of every region the padded step wrote (the index values of an
   ``index_put_``/``index_copy_``/``scatter_`` into a view, or the view a ``copy_``, an ``add_`` or an
@@ -35,7 +36,6 @@ target counts as written by both runs, and its values decide.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -44,15 +44,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from graphrt.backends import CapturedGraph
 from graphrt.backends.compiled import eager_stance
 from graphrt.backends.source_lines import SourceLine
 from graphrt.backends.state_journal import (
     StateJournal, WrittenRegion, allocated_storages, storage_key, view_key, written_tensors,
 )
 from graphrt.capture import WHOLE_SAVE_BUDGET
-from graphrt.verify import owned, rounding_tolerance
-from graphrt.guards import observed_run
-from graphrt.layout.tensor_tree import flatten
+from graphrt.guards import python_state_kept
+from graphrt.layout.tensor_tree import flatten, same_value
+from graphrt.verify import owned, replay_matches, rounding_tolerance
 
 _aten = torch.ops.aten
 Storage = Tuple[torch.device, int]
@@ -225,6 +226,40 @@ def _differs(padded: torch.Tensor, real: torch.Tensor) -> int:
     return 0
 
 
+@dataclass
+class Reading:
+    """What one eager run of the step did: the regions of state it wrote (each holding what was there
+    before), their contents after it, where it left the random generators, and its output leaves (owned)."""
+
+    regions: List[WrittenRegion]
+    values: List[torch.Tensor]
+    generators: Dict[int, Tuple[torch.Generator, torch.Tensor]]
+    outputs: List[Any]
+
+    def contents_after(self, regions: Sequence[WrittenRegion]) -> List[torch.Tensor]:
+        """The contents of ``regions`` with the state as this run left it (from the state before it, where
+        it is now), put back after."""
+        for region, values in zip(self.regions, self.values):
+            region.write(*region.where, values)
+        try:
+            return [region.current() for region in regions]
+        finally:
+            for region in reversed(self.regions):
+                region.put_back()
+
+
+def read_run(step: Callable[[], Any], journal: StateJournal, exempt: Set[Storage]) -> Reading:
+    """Run ``step`` under ``journal``, a fresh one (each region it wrote is then saved from before this run),
+    read what it did to the state outside ``exempt`` and put the state back (the journal restored)."""
+    try:
+        with journal:
+            outputs = _leaves(step())
+        regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
+        return Reading(regions, [region.current() for region in regions], journal.generators.current(), outputs)
+    finally:
+        journal.restore()
+
+
 def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], Any], real: int, padded: int,
                        exempt: Set[Storage], arguments: Mapping[Storage, str],
                        draws: bool = False, outputs: bool = False) -> Optional[Finding]:
@@ -233,36 +268,30 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
     eagerly under one journal; every write and random draw is undone. ``arguments`` names the
     storages of the step's argument slots (to say which argument a write was computed from). A write
     that cannot be narrowed to rows into a tensor too large to copy raises CaptureMemoryError, as
-    capture does. ``draws``: else, a generator the padded step leaves elsewhere than the real step
-    (``PaddingDraw``), a state too; ``outputs``: else, an output whose real rows the padded step returns
-    otherwise (``PaddingOutput``)."""
-    journal = StateJournal(budget=WHOLE_SAVE_BUDGET)
+    capture does. ``draws``, ``outputs``: as ``compare_runs``."""
     taint = ArgumentTaint(arguments)
     with torch.no_grad(), eager_stance():  # a compiled step called under a dispatch mode would stay uncompiled
-        try:
-            with journal:
-                returned = real_step()
-                real_returned = _leaves(returned) if outputs else []
-            real_regions = [region for region in journal.regions if storage_key(region.target) not in exempt]
-            real_values = [region.current() for region in real_regions]
-            real_generators = journal.generators.current()
-            journal.put_back()
-            first = len(journal.regions)
-            with journal, taint:
-                returned = padded_step()
-                padded_returned = _leaves(returned) if outputs else []
-            moved = _moved_apart(journal.generators.current(), real_generators) if draws else None
-            padded_regions = [region for region in journal.regions[first:]
-                              if storage_key(region.target) not in exempt]
-            found = _outside(padded_regions, real_regions)
-            if found is None:
-                found = _changed(journal, padded_regions, real_regions, real_values)
-        finally:
-            journal.restore()
+        real_run = read_run(real_step, StateJournal(budget=WHOLE_SAVE_BUDGET), exempt)
+        with taint:
+            padded_run = read_run(padded_step, StateJournal(budget=WHOLE_SAVE_BUDGET), exempt)
+        return compare_runs(padded_run, real_run, taint, real, padded, draws, outputs)
+
+
+def compare_runs(padded_run: Reading, real_run: Reading, taint: ArgumentTaint, real: int, padded: int,
+                 draws: bool, outputs: bool) -> Optional[Finding]:
+    """The first thing the padded step (run under ``taint``) did to the state otherwise than the real
+    step, each from the state before it (which is the state now), or None: a write of rows (or views) the
+    real step did not write, then a region both left otherwise (``PaddingWrite``); ``draws``: else, a
+    generator the padded step leaves elsewhere (``PaddingDraw``), a state too; ``outputs``: else, an output
+    whose real rows the padded step returns otherwise (``PaddingOutput``)."""
+    found = _outside(padded_run.regions, real_run.regions)
     if found is None:
+        found = _changed(padded_run, real_run)
+    if found is None:
+        moved = _moved_apart(padded_run.generators, real_run.generators) if draws else None
         if moved is not None:
             return PaddingDraw(moved, real, padded)
-        return _output_leak(real_returned, padded_returned, real, padded) if outputs else None
+        return _output_leak(real_run.outputs, padded_run.outputs, real, padded) if outputs else None
     region, elements = found
     index_arguments, value_arguments = _arguments_of(taint, region)
     named = tuple(sorted(index_arguments)) + tuple(sorted(value_arguments - index_arguments))
@@ -273,10 +302,11 @@ def find_padding_write(real_step: Callable[[], Any], padded_step: Callable[[], A
 
 def _moved_apart(padded: Mapping[int, Tuple[torch.Generator, torch.Tensor]],
                  real: Mapping[int, Tuple[torch.Generator, torch.Tensor]]) -> Optional[str]:
-    """The first generator whose state after the padded step differs from its state after the real step."""
-    for key, (generator, state) in padded.items():
-        seen = real.get(key)
-        if seen is None or not torch.equal(seen[1], state):
+    """The first generator whose state after the padded step differs from its state after the real step
+    (a generator only one of them drew from counts)."""
+    for key, (generator, state) in {**real, **padded}.items():
+        seen, other = real.get(key), padded.get(key)
+        if seen is None or other is None or not torch.equal(seen[1], other[1]):
             if generator is torch.default_generator:
                 return "the default CPU generator"
             device = generator.device
@@ -332,17 +362,12 @@ def _outside(padded_regions: List[WrittenRegion], real_regions: List[WrittenRegi
     return None
 
 
-def _changed(journal: StateJournal, padded_regions: List[WrittenRegion], real_regions: List[WrittenRegion],
-             real_values: List[torch.Tensor]) -> Optional[Tuple[WrittenRegion, int]]:
-    """The first region whose contents after the padded step differ from those after the real step."""
-    regions = padded_regions + real_regions
-    after_padded = [region.current() for region in regions]
-    journal.put_back()
-    for region, values in zip(real_regions, real_values):  # the state as the real step left it
-        region.write(*region.where, values)
-    after_real = [region.current() for region in regions]
-    for region, padded_values, real_values_now in zip(regions, after_padded, after_real):
-        count = _differs(padded_values, real_values_now)
+def _changed(padded_run: Reading, real_run: Reading) -> Optional[Tuple[WrittenRegion, int]]:
+    """The first region either run wrote whose contents after the padded step differ from those after the real step."""
+    regions = padded_run.regions + real_run.regions
+    after_padded, after_real = padded_run.contents_after(regions), real_run.contents_after(regions)
+    for region, padded_values, real_values in zip(regions, after_padded, after_real):
+        count = _differs(padded_values, real_values)
         if count:
             return region, count
     return None
@@ -357,76 +382,78 @@ def _arguments_of(taint: ArgumentTaint, region: WrittenRegion) -> Tuple[FrozenSe
     return frozenset(), frozenset()
 
 
-Refusal = Tuple[Optional[str], Optional[Exception]]  # why padding is refused (None: it is not), and the error
+Refused = Callable[[str, Optional[Exception]], None]  # what a layout does when padding is refused: why, the error
 
 
-def padding_refusal(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
-                    roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]) -> Refusal:
-    """For wrap(): why calls padded from ``real`` to ``padded`` rows must not share one graph, or None
-    when they may (``signature_padding_write``), and the error when the step cannot run at both sizes
-    (state sized to the batch, such as a StaticCache, or a write too large to copy). ``padded_step``:
-    the step on all ``padded`` rows (wrap(): the capture's first warm-up)."""
-    try:
-        write = signature_padding_write(fn, signature, real, padded, scratch, roots, padded_step)
-    except Exception as error:  # a failed capture would say the same: no padded graph for this layout
-        return f"the step does not run at both {real} and {padded} rows ({type(error).__name__}: {error})", error
-    return (None if write is None else f"{write.describe()}; {fix_for(write)}"), None
+class PaddingCheck:
+    """wrap()'s padding check of a key smaller calls pad to, folded into the key's three capture runs
+    (graphrt.capture.CaptureChecks): the first warm-up is the step on all ``padded`` rows of the slots,
+    staged with a call's first ``real`` rows (pad values above them), read; the verification's eager run is
+    the step on those ``real`` rows, off the capture path, compared with it (``compare_runs``: where both
+    wrote, what they left, the generators, the real rows of the outputs); the replay is compared with the
+    warm-up. The slots and ``scratch`` are not state. The real-size run puts back the Python bindings of
+    ``roots`` it changed, every attribute it assigned and what the step's own code wrote (a step that
+    rebinds raises RebindError, as its capture would). ``refused(why, error)`` is called when padding is
+    refused: a finding (``error`` None), or a step that does not run at both sizes (state sized to the
+    batch, such as a StaticCache, or a write too large to copy)."""
+
+    def __init__(self, fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
+                 roots: Sequence[Tuple[str, Any]], refused: Refused) -> None:
+        self.fn, self.signature, self.real, self.padded, self.roots, self.refused = (
+            fn, signature, real, padded, roots, refused)
+        slots = signature.slot_paths()
+        self.exempt = set(slots) | scratch
+        self.taint = ArgumentTaint(slots)  # which argument a padding row's write was computed from
+        self.padded_run: Optional[Reading] = None
+
+    def warm_up(self, step: Callable[[], Any]) -> None:
+        """The key's first warm-up, ``step()`` on all padded rows, read (its writes undone)."""
+        try:
+            with self.taint:  # in the capture's no_grad
+                self.padded_run = read_run(step, StateJournal(budget=WHOLE_SAVE_BUDGET), self.exempt)
+        except Exception as error:  # a failed capture would say the same: no padded graph for this layout
+            self.refused(self._both_sizes(error), error)
+            raise
+
+    def verify(self, graph: CapturedGraph, journal: StateJournal, verify_eagerly: Optional[Callable[[], None]]
+               ) -> None:
+        """The step on the real rows, eagerly, against the warm-up; the replay against the warm-up (all rows).
+        Where padding is refused, the graph is verified the plain way first (``verify_eagerly``: the real
+        rows' run differing from the warm-up may be a capture-only path, not the padding rows)."""
+        padded_run = self.padded_run
+        error: Optional[Exception] = None
+        finding: Optional[Finding] = None
+        with torch.no_grad(), eager_stance():
+            try:
+                real_run = read_run(self._real_step, journal, self.exempt)
+            except Exception as caught:
+                error = caught
+            else:
+                finding = compare_runs(padded_run, real_run, self.taint, self.real, self.padded, draws=True,
+                                       outputs=True)
+            if error is None and finding is None and verify_eagerly is not None:
+                try:
+                    replay_matches(graph, padded_run.outputs, padded_run.regions, padded_run.values, same_value,
+                                   journal)
+                finally:
+                    journal.restore()
+                    for region in reversed(padded_run.regions):  # a CUDA replay wrote them
+                        region.put_back()
+        if error is None and finding is None:
+            return
+        if verify_eagerly is not None:
+            verify_eagerly()
+        self.refused(self._both_sizes(error) if error is not None else f"{finding.describe()}; {fix_for(finding)}",
+                     error)
+
+    def _real_step(self) -> Any:
+        call = self.signature.static_arguments(self.real)
+        with python_state_kept(self.roots, self.fn):
+            return self.fn(*call.args, **call.kwargs)
+
+    def _both_sizes(self, error: Exception) -> str:
+        return f"the step does not run at both {self.real} and {self.padded} rows ({type(error).__name__}: {error})"
 
 
-def signature_padding_write(fn: Callable[..., Any], signature: Any, real: int, padded: int, scratch: Set[Storage],
-                            roots: Sequence[Tuple[str, Any]], padded_step: Callable[[], Any]) -> Optional[Finding]:
-    """For wrap(), the slots staged with the call's first ``real`` rows (pad values above them): compare
-    ``fn`` on ``real`` rows of the slots with ``padded_step``, the step on all ``padded`` rows
-    (``find_padding_write``); the slots and ``scratch`` are not state. The real-size run puts back the
-    Python bindings of ``roots`` it changed, every attribute it assigned and every global it read and
-    rebound (a step that does raises RebindError, as its capture would)."""
-    call = signature.static_arguments(real)
-
-    def real_step() -> Any:
-        return observed_run(lambda: fn(*call.args, **call.kwargs), roots, fn)[0]
-
-    slots = signature.slot_paths()
-    return find_padding_write(real_step, padded_step, real, padded, set(slots) | scratch, slots, draws=True,
-                              outputs=True)
-
-
-# ---- what wrap()'s padding rows hold: pad_values=, by argument path ------------------------------------
-
-
-def parameters_of(fn: Callable[..., Any]) -> List[inspect.Parameter]:
-    """``fn``'s parameters (a module's ``forward``'s); none where it has no signature (a builtin)."""
-    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        return list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        return []
-
-
-def positional_names(fn: Callable[..., Any]) -> List[str]:
-    """The names of ``fn``'s positional parameters, to name arguments by."""
-    return [p.name for p in parameters_of(fn) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
-def checked_pad_values(pad_values: Optional[Mapping[str, float]], fn: Callable[..., Any]) -> Dict[str, float]:
-    """``wrap(pad_values=...)`` checked: argument paths (``args[1]``, a parameter's name, ``batch.slots``)
-    to int or float pads (negative ones included: -1 for kernels that skip it)."""
-    if pad_values is None:
-        return {}
-    if not isinstance(pad_values, Mapping):
-        raise TypeError(f"pad_values: expected a mapping of argument paths to numbers, got {type(pad_values).__name__}")
-    parameters = parameters_of(fn)
-    names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} | {"args"}
-    any_name = not parameters or any(p.kind is p.VAR_KEYWORD for p in parameters)
-    for path, value in pad_values.items():
-        if not isinstance(path, str):
-            raise TypeError(f"pad_values: expected argument paths as str keys, got {path!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"pad_values[{path!r}]: expected an int or float, got {value!r}")
-        if not any_name and path.split(".")[0].split("[")[0] not in names:
-            raise ValueError(f"pad_values: {path!r} names no parameter of the function (its parameters: "
-                             f"{sorted(names - {'args'})}; or args[i])")
-    return dict(pad_values)
-
-
-__all__ = ["ArgumentTaint", "PaddingDraw", "PaddingOutput", "PaddingWrite", "checked_pad_values", "find_padding_write",
-           "fix_for", "padding_refusal", "positional_names", "real_part", "signature_padding_write"]
+__all__ = ["ArgumentTaint", "PaddingCheck", "PaddingDraw", "PaddingOutput", "PaddingWrite", "Reading", "compare_runs",
+           "find_padding_write", "fix_for", "read_run", "real_part"]

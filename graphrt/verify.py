@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from graphrt.backends import CapturedGraph, StateJournal
+from graphrt.backends.state_journal import WrittenRegion
 from graphrt.backends.compiled import eager_stance
 
 
@@ -38,14 +39,24 @@ def verify_graph(graph: CapturedGraph, fn: Callable[[], Sequence[Any]], same_lea
             regions = list(journal.regions)  # what eager wrote; the replay must write the same
             expected_state = [region.current() for region in regions]
             journal.put_back()  # the state and generators the eager run started from
-            with journal:  # the emulated replay's writes are journaled; a CUDA replay writes the regions above
-                graph.replay()
-            _compare(expected, list(graph.outputs), [f"output leaf {i}" for i in range(len(expected))], same_leaf)
-            _compare(expected_state, [region.current() for region in regions],
-                     [f"state written by {region.op} at {region.source} ({_describe(region.target)})"
-                      for region in regions], same_leaf)
+            replay_matches(graph, expected, regions, expected_state, same_leaf, journal)
         finally:
             journal.restore()
+
+
+def replay_matches(graph: CapturedGraph, expected: Sequence[Any], regions: Sequence[WrittenRegion],
+                   expected_state: Sequence[torch.Tensor], same_leaf: Callable[[Any, Any], bool],
+                   journal: StateJournal) -> None:
+    """Replay ``graph`` from the state an eager run started from and raise VerifyError at the first output
+    leaf or written region (``regions``, what that run wrote) whose contents differ from that run's
+    (``expected``, ``expected_state``) by more than rounding. The emulated replay's writes are journaled
+    in ``journal``; a CUDA replay writes ``regions``: the caller puts them back."""
+    with journal:
+        graph.replay()
+    _compare(expected, list(graph.outputs), [f"output leaf {i}" for i in range(len(expected))], same_leaf)
+    _compare(expected_state, [region.current() for region in regions],
+             [f"state written by {region.op} at {region.source} ({_describe(region.target)})"
+              for region in regions], same_leaf)
 
 
 # ulps of a tensor's largest magnitude that rounding explains (see rounding_tolerance)

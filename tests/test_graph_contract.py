@@ -75,11 +75,12 @@ def test_wrap_runs_each_user_call_exactly_once():
         out = fast(torch.full((3, 2), float(call)))
         assert torch.equal(out, torch.full((3, 2), 2.0 * call))
         assert int(counter) == call
-    # call 1: warm-up, the real step at its real size; call 2: the padding rows' writes compared (the
-    # step on 1 row, the fewest that pad to 4, then on 4 as the capture's warm-up), recorded on the
-    # padded inputs, verified against one eager run (every run's writes undone) and replayed;
-    # calls 3-5: replays, no Python. The counter still advanced once per call.
-    assert entries == [3, 1, 4, 4, 4]
+    # call 1: warm-up, the real step at its real size; call 2: the capture's warm-up on 4 rows (the
+    # padded-size run of the padding check), the recording, then the verification's eager run on 1 row
+    # (the fewest that pad to 4: the check's real-size run; the replay is compared with the warm-up),
+    # every run's writes undone, and the replay; calls 3-5: replays, no Python. The counter still
+    # advanced once per call.
+    assert entries == [3, 4, 4, 1]
     assert fast.stats()["eager_reasons"] == {"warmup": 1} and fast.stats()["graph_runs"] == 4
 
 

@@ -35,11 +35,18 @@ class PathUnderCapture(torch.nn.Module):
         return x * (3 if under_capture else 2)
 
 
-def test_output_that_differs_from_eager_disables_the_key_and_names_the_output():
+# Calls of 3 rows pad to the key of 4: its verification's eager run is the padding check's run on the real
+# rows (off the capture path), and its replay is compared with the capture's warm-up on all 4 rows.
+ROWS = pytest.mark.parametrize("rows", [4, 3], ids=["exact", "padded"])
+
+
+@ROWS
+def test_output_that_differs_from_eager_disables_the_key_and_names_the_output(rows, caplog):
     model = PathUnderCapture(write_state=False)
     fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
-    x = torch.arange(8.0).reshape(4, 2)
-    outputs = [fast(x) for _ in range(3)]
+    x = torch.arange(2.0 * rows).reshape(rows, 2)
+    with caplog.at_level("WARNING", logger="graphrt"):
+        outputs = [fast(x) for _ in range(3)]
     for out in outputs:
         assert torch.equal(out, x * 2)  # every call has eager's numbers
     stats = fast.stats()
@@ -47,12 +54,15 @@ def test_output_that_differs_from_eager_disables_the_key_and_names_the_output():
     reason = stats["failed_keys"]["call/bs=4"]
     assert reason.startswith("VerifyError: output leaf 0 differs from eager")
     assert "Greatest absolute difference" in reason
+    said = " ".join(record.getMessage() for record in caplog.records)
+    assert not stats["exact_sizes"] and "exact sizes" not in said, "a capture-only path, not the padding rows' doing"
 
 
-def test_state_write_that_differs_from_eager_is_named_with_its_op_and_line():
+@ROWS
+def test_state_write_that_differs_from_eager_is_named_with_its_op_and_line(rows):
     model = PathUnderCapture(write_state=True)
     fast = wrap(model, max_batch_size=4, capture_sizes=[4], backend="emulated")
-    x = torch.ones(4, 2)
+    x = torch.ones(rows, 2)
     fast(x)
     fast(x)
     reason = fast.stats()["failed_keys"]["call/bs=4"]
@@ -78,9 +88,11 @@ def test_dropout_in_training_mode_verifies_and_each_replay_draws_what_eager_draw
     assert stats["graph_runs"] == 3 and stats["eager_reasons"] == {"warmup": 1} and not stats["failed_keys"]
 
 
-def test_kernel_outside_the_dispatcher_is_caught():
+@ROWS
+def test_kernel_outside_the_dispatcher_is_caught(rows):
     """A raw memory write (as a C extension's kernel does) is no aten op: no recording sees
-    it, the replay would leave its output zero, so verification must refuse the graph."""
+    it, the replay would leave its output zero, so verification must refuse the graph (padded: the
+    replay against the warm-up, whose real rows match the real-size run)."""
 
     def step(x):
         out = torch.zeros_like(x)
@@ -88,10 +100,11 @@ def test_kernel_outside_the_dispatcher_is_caught():
         return out * 2
 
     fast = wrap(step, max_batch_size=4, capture_sizes=[4], backend="emulated")
-    x = torch.arange(1.0, 9.0).reshape(4, 2)
+    x = torch.arange(1.0, 1.0 + 2 * rows).reshape(rows, 2)
     for _ in range(3):
         assert torch.equal(fast(x), x * 2)
     assert fast.stats()["eager_reasons"] == {"warmup": 1, "verify_failed": 2}
+    assert fast.stats()["failed_keys"]["call/bs=4"].startswith("VerifyError: output leaf 0 differs from eager")
 
 
 def test_verify_false_skips_the_comparison_and_a_wrong_graph_serves():
