@@ -335,6 +335,39 @@ def test_what_a_comprehension_or_lambda_in_forward_reads_through_self_is_read(wr
         ComprehensionModel.softcap = 1.0
 
 
+class Scales:
+    def __init__(self):
+        self.scale_a = 1.0
+        self.table_a = [1.0]
+
+
+class ComputedNameModel(nn.Module):
+    """Reads attributes of a plain object by a name computed at run time (``getattr(self.scales, "scale_" +
+    self.kind)``): the bytecode names no attribute of it, so no attribute could be singled out."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scales = Scales()
+        self.kind = "a"
+        self.offsets_a = [0.0]
+
+    def forward(self, x):
+        scales = getattr(self.scales, "scale_" + self.kind) * getattr(self.scales, f"table_{self.kind}")[0]
+        return self.linear(x) * scales + getattr(self, "offsets_" + self.kind)[0]
+
+
+@pytest.mark.parametrize("write,named", [
+    (lambda model: setattr(model.scales, "scale_a", 2.0), "ComputedNameModel.scales.scale_a 1.0 -> 2.0"),
+    (lambda model: model.scales.table_a.__setitem__(0, 3.0), "ComputedNameModel.scales.table_a[0]"),
+    (lambda model: model.offsets_a.__setitem__(0, 1.0), "ComputedNameModel.offsets_a[0]"),
+], ids=["an object's attribute", "an object's container", "a module's container"])
+def test_what_a_step_reads_by_a_computed_name_is_read(write, named):
+    """Before, an attribute read by ``getattr`` with a computed name was not seen: changing it replayed the old
+    value, silently. Now every attribute of an object such code reads counts, and the containers it holds."""
+    assert named in eager_after_write(ComputedNameModel(), write)
+
+
 CONFIG = {"scale": 1.0}
 
 

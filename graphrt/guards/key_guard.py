@@ -36,7 +36,7 @@ import torch
 
 from graphrt.backends.state_journal import backing_tensor
 from graphrt.guards.adapters import watch_adapter_layers
-from graphrt.guards.attributes import has_attributes
+from graphrt.guards.attributes import attributes, has_attributes
 from graphrt.guards.bindings import Bindings, find_bindings
 from graphrt.guards.class_state import ClassLookups, class_reads, step_lookups
 from graphrt.guards.context_reads import ContextVariables, Environment, ThreadLocal
@@ -159,7 +159,7 @@ class KeyGuard:
         python = PythonState([*modules, *holders, *reads.submodules],
                              [(name, obj) for name, obj in read_objects if watch_class(type(obj))],
                              [*objects, *entry, *values],
-                             {id(obj): names - _written_names(obj, step_wrote) for _, obj in reads.objects})
+                             {id(obj): _names_read(obj, names, reads.computed, step_wrote) for _, obj in reads.objects})
         compared = {id(check.source) for check in bindings.live if check.get is None}  # lists compared whole already
         # read in place, compared per call: the step's lookups through classes (one generated function), the
         # containers it read, and the attributes of objects whose class cannot tell of an assignment (a C type)
@@ -314,6 +314,16 @@ def held_storages(tensors: Sequence[torch.Tensor], memory: AbstractSet[int]) -> 
     live as long as the key."""
     storages = {backing_tensor(tensor).untyped_storage() for tensor in tensors}
     return frozenset(storages) if memory <= {storage.data_ptr() for storage in storages} else None
+
+
+def _names_read(obj: Any, names: FrozenSet[str], computed: bool, written: AbstractSet[Tuple[int, Any]]
+                ) -> Optional[FrozenSet[str]]:
+    """The attributes of a read object an assignment of which is a change: the names the step's code loads,
+    or (``computed``: a name computed at run time) every attribute (None), less those the step itself wrote."""
+    own = _written_names(obj, written)
+    if computed:
+        return None if not own else frozenset(attributes(obj)) | names - own
+    return names - own
 
 
 def _written_names(obj: Any, written: AbstractSet[Tuple[int, Any]]) -> FrozenSet[str]:

@@ -28,7 +28,7 @@ import torch
 from graphrt.backends.base import StepRefusal
 from graphrt.backends.compiled import compile_wrapper_codes
 from graphrt.backends.source_lines import is_model_file
-from graphrt.guards.reads import attribute_names, global_attributes
+from graphrt.guards.reads import attribute_names, computed_names, global_attributes
 from graphrt.layout.rebind_guard import RebindError
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -88,6 +88,12 @@ class Observation:
         that ran where they were traced, anywhere in the code otherwise."""
         traced = self.lines or {}
         return set().union(*(attribute_names(code, traced.get(code)) for code in self.ran_codes))
+
+    def reads_computed_names(self) -> bool:
+        """Whether the model's own code that ran reads an attribute by a name computed at run time, on a line
+        that ran (graphrt.guards.reads.computed_names): every attribute of the objects it reads then counts. A
+        library's reads are frozen, as its globals are."""
+        return any(computed_names(code, self.lines_of(code)) for code in self.codes)
 
     def ran(self, code: types.CodeType) -> bool:
         return code in self.ran_codes

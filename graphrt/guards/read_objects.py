@@ -39,6 +39,7 @@ class Reads:
     containers: List[Tuple[str, Any]] = field(default_factory=list)  # dicts, lists, sets, buffers read in place
     submodules: List[torch.nn.Module] = field(default_factory=list)  # read without being called
     thread_locals: List[Tuple[str, threading.local]] = field(default_factory=list)  # read as this thread sees them
+    computed: bool = False  # the step reads attributes by computed names: every attribute of what it reads counts
     _seen: Set[int] = field(default_factory=set)
 
     def mark(self, value: Any) -> bool:
@@ -129,6 +130,16 @@ def step_reads(observation: Observation, objects: Sequence[Tuple[str, Any]], ent
         reads.add(_name(partial), partial)
     for path, obj in list(reads.objects):  # a container an object's own methods index (``self.values[0]``)
         _object_reads(path, obj, observation, reads)
+    reads.computed = observation.reads_computed_names()
+    if reads.computed:  # getattr(obj, "table_" + kind)[0]: any container of what it reads may be the one
+        for module in observation.modules:
+            for name, value in vars(module).items():
+                if name not in MODULE_INTERNALS and is_container(value) and not is_adapter_layer(module):
+                    reads.add(f"{type(module).__name__}.{name}", value)
+        for path, obj in list(reads.objects):
+            for name, held in attributes(obj).items():
+                if is_container(held):
+                    reads.add(f"{path}.{name}", held)
     for module in observation.modules:
         for table in (module._forward_pre_hooks, module._forward_hooks):
             for hook in table.values():

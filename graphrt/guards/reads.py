@@ -8,7 +8,7 @@ names from the code objects that ran (graphrt.guards.observe): ``self.name``, ``
 ``type(self).name`` per method, with the code nested in it that closes over ``self`` (a comprehension, a
 lambda: code objects of their own), ``self.name.attribute``, ``GLOBAL.name`` per function, as torch.compile
 builds a guard per attribute source it traced. A read the bytecode cannot name (``getattr(self, name)``
-with a computed name) is not seen.
+with a computed name) is told apart (``computed_names``): every attribute of what such code reads counts.
 """
 
 from __future__ import annotations
@@ -72,6 +72,52 @@ def _named_reads(code: types.CodeType) -> List[Tuple[Optional[int], str]]:
     found += [(line, name) for line, name in constants if line in getters]
     _named[code] = found
     return found
+
+
+_GETTERS = ("getattr", "hasattr")
+_CALLS = ("PRECALL", "CALL")  # the instruction whose argument count closes a call's arguments (3.11: PRECALL first)
+_computed: Dict[types.CodeType, List[Optional[int]]] = {}
+
+
+def computed_names(code: types.CodeType, lines: Optional[AbstractSet[int]] = None) -> bool:
+    """Whether ``code`` passes ``getattr``/``hasattr`` a name that is no constant (``getattr(self.scales,
+    "scale_" + kind)``) on ``lines`` (all when None): which attribute it reads, the bytecode cannot tell."""
+    found = _computed.get(code)
+    if found is None:
+        instructions = [instruction for instruction in dis.get_instructions(code)
+                        if instruction.opname not in _TRANSPARENT]
+        found = _computed[code] = [
+            instruction.positions.lineno if instruction.positions else None
+            for index, instruction in enumerate(instructions)
+            if instruction.opname == "LOAD_GLOBAL" and instruction.argval in _GETTERS
+            and not _constant_name(instructions, index)]
+    return any(lines is None or line is None or line in lines for line in found)
+
+
+def _constant_name(instructions: List[dis.Instruction], start: int) -> bool:
+    """Whether the call of the getter ``instructions[start]`` loads passes a constant string as its second
+    argument; False where the call's shape is not followed (a branch among its arguments)."""
+    depth, call = 0, None
+    for index in range(start + 1, len(instructions)):
+        instruction = instructions[index]
+        if instruction.opcode in dis.hasjrel or instruction.opcode in dis.hasjabs:
+            return False
+        if instruction.opname in _CALLS and depth == instruction.arg:
+            call = index
+            break
+        depth += dis.stack_effect(instruction.opcode, instruction.arg)
+    if call is None or instructions[call].arg < 2:
+        return False
+    index = call - 1
+    for argument in range(instructions[call].arg - 1, 0, -1):  # back from the last argument to the second
+        pushed, first = 0, index
+        while pushed < 1 and index > start:
+            pushed += dis.stack_effect(instructions[index].opcode, instructions[index].arg)
+            index -= 1
+        if argument == 1:
+            name = instructions[first]
+            return first == index + 1 and name.opname == "LOAD_CONST" and isinstance(name.argval, str)
+    return False
 
 
 APPENDS = frozenset({"append", "appendleft", "extend", "add", "insert"})
