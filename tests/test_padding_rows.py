@@ -68,6 +68,31 @@ def test_the_issue_snippet_leaves_the_live_slot_alone(caplog):
     assert len(warnings) == 1 and "test_padding_rows.py" in warnings[0], "said once, with the model line"
 
 
+def test_a_key_whose_padding_was_refused_still_serves_calls_of_its_own_size():
+    """The padding check's real-size run is the key's verification's eager run, after the recording: a key
+    whose padding rows write live state keeps its graph (verified once more against eager at its own size,
+    the only case a key's capture runs the step a fourth time) for calls of its own size, whose every row is
+    real; the call of 3 rows records a key of its own. Before, the key stayed pending and a call of 4 rows
+    recorded it all over again."""
+    cache = torch.zeros(16, 4)
+    runs = []
+
+    def step(x, slot):
+        runs.append(x.shape[0])
+        cache.index_copy_(0, slot, x)
+        return x * 2
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4])
+    with torch.no_grad():
+        fast(torch.ones(3, 4), torch.tensor([5, 6, 7]))
+        fast(torch.ones(3, 4), torch.tensor([5, 6, 7]))
+        assert runs == [3, 4, 4, 1, 4, 3, 3, 3], "warm-up; key 4: warm-up, recording, 1 real row, eager; key 3"
+        runs.clear()
+        out = fast(torch.full((4, 4), 2.0), torch.tensor([8, 9, 10, 11]))
+    assert runs == [] and torch.equal(out, torch.full((4, 4), 4.0)) and torch.equal(cache[8:12], torch.full((4, 4), 2.0))
+    assert fast.stats()["key_hits"] == {"call/bs=3": 1, "call/bs=4": 1} and fast.stats()["exact_sizes"]
+
+
 def test_the_remedy_named_works_a_row_no_request_owns_declared_scratch():
     cache = torch.zeros(17, 4)  # row 16: scratch, no request owns it
     cache[0] = 9.0
