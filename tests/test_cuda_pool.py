@@ -182,6 +182,24 @@ def test_wrap_dropping_its_only_layout_leaves_the_next_layout_capturable(device)
     device.settle()
 
 
+def test_a_padded_wrap_keys_capture_leaves_the_state_as_it_was(device):
+    """A key smaller calls pad to is verified by replaying it against its warm-up: a CUDA replay writes what
+    the step writes, where no journal sees it (a launch), so capture puts those regions back itself. Every
+    call's step still counts once."""
+    counter = torch.zeros((), device=device.name)
+
+    def step(x):
+        counter.add_(1)
+        return x * 2
+
+    fast = wrap(step, max_batch_size=4, capture_sizes=[4], backend="cuda")
+    for call in range(1, 6):
+        x = torch.full((3, 2), float(call), device=device.name)
+        assert torch.equal(fast(x), x * 2) and int(counter) == call
+    assert fast.stats()["graph_runs"] == 4 and wrapped_entries(fast)[4].status is READY
+    device.settle()
+
+
 # ---- item 4: one failed capture does not break the next ---------------------------------------
 
 def test_a_capture_invalidated_by_a_host_read_fails_only_its_key(device, checks):
