@@ -322,7 +322,7 @@ def _names_read(obj: Any, names: FrozenSet[str], computed: bool, written: Abstra
     or (``computed``: a name computed at run time) every attribute (None), less those the step itself wrote."""
     own = _written_names(obj, written)
     if computed:
-        return None if not own else frozenset(attributes(obj)) | names - own
+        return None if not own else (frozenset(attributes(obj)) | names) - own
     return names - own
 
 
