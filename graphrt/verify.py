@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from graphrt.backends import CapturedGraph, StateJournal
-from graphrt.backends.state_journal import WrittenRegion
 from graphrt.backends.compiled import eager_stance
+from graphrt.backends.state_journal import WrittenRegion
 
 
 class VerifyError(RuntimeError):

@@ -1,8 +1,8 @@
 """StepWrites: Python state outside the modules' own attributes that a run of the step for capture writes.
 
-Capture runs the step several times besides the call it serves (warm-up, recording, verification, the padding
-check); a replay runs none of its Python (the graph contract: Python state the step writes is frozen). A step
-that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
+Capture runs the step several times besides the call it serves (warm-up, recording, verification: wrap()'s
+padding check runs within them); a replay runs none of its Python (the graph contract: Python state the step
+writes is frozen). A step that writes a class attribute (``type(self).calls += 1``), a helper object a module holds
 (``self.stats.calls += 1``) or a container (a dict it counts into, at module level, in a closure, a module's
 dict attribute; a numpy array or ``array.array`` it writes items of) would leave that state advanced by
 capture's runs. ``with StepWrites(roots, fn): step()`` saves that state before the run (the classes, helper
