@@ -176,9 +176,9 @@ class KeyCapture:
                     progress: bool = True) -> CaptureReport:
         """Capture every pending key of ``registry``, largest first; ``before_capture`` runs before
         each key's warm-up and may return how to run its first warm-up and verification (``CaptureChecks``). A
-        key whose capture raises is marked FAILED with the reason and the others go on, unless the step was refused (``StepRefusal``: code no key can hold), which fails
-        every later key with it. KeyboardInterrupt stops the loop, keeps the keys already captured and
-        propagates."""
+        key whose capture raises is marked FAILED with the reason and the others go on, unless the step was
+        refused (``StepRefusal``: code no key can hold), which fails every later key with it. KeyboardInterrupt
+        stops the loop, keeps the keys already captured and propagates."""
         report = CaptureReport()
         pending: Sequence[GraphEntry] = registry.pending()
         refusal: Optional[StepRefusal] = None
